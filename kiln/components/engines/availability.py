@@ -1,0 +1,56 @@
+"""Which backends this machine can build and run, and why not (`kiln doctor`)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    backend: str
+    can_build: bool
+    can_run: bool
+    details: str
+
+
+def backend_statuses() -> list[BackendStatus]:
+    return [_onnxruntime_status(), _tensorrt_status()]
+
+
+def _onnxruntime_status() -> BackendStatus:
+    try:
+        import onnxruntime as ort
+    except ImportError as err:
+        return BackendStatus("onnxruntime", False, False, f"onnxruntime does not import: {err}")
+    providers = ", ".join(ort.get_available_providers())
+    return BackendStatus("onnxruntime", True, True, f"version {ort.__version__}; providers: {providers}")
+
+
+def _tensorrt_status() -> BackendStatus:
+    gpu = gpu_description()
+    try:
+        import tensorrt
+    except ImportError:
+        return BackendStatus("tensorrt", False, False, f"tensorrt is not installed; GPU: {gpu or 'none found'}")
+    if gpu is None:
+        return BackendStatus("tensorrt", False, False, f"TensorRT {tensorrt.__version__} found, but no NVIDIA GPU")
+    return BackendStatus("tensorrt", True, True, f"TensorRT {tensorrt.__version__}; GPU: {gpu}")
+
+
+def gpu_description() -> str | None:
+    """'name (sm_XX)' of the first NVIDIA GPU, from nvidia-smi; None where there is none."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    name, _, capability = out.stdout.splitlines()[0].partition(",")
+    return f"{name.strip()} (sm_{capability.strip().replace('.', '')})"

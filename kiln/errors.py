@@ -1,0 +1,41 @@
+"""One small exception family. Messages say what was asked and what was found."""
+
+
+class KilnError(Exception):
+    """Base of every error kiln raises on purpose; the CLI prints its message as one line."""
+
+
+class ConfigError(KilnError):
+    """params.yaml (or a file it names) is unusable."""
+
+
+class DataError(KilnError):
+    """The corpus could not be read, cleaned, split or versioned."""
+
+
+class TrainError(KilnError):
+    """The model could not be trained or loaded."""
+
+
+class ExportError(KilnError):
+    """The ONNX export failed or missed parity with PyTorch."""
+
+
+class BuildError(KilnError):
+    """An engine could not be built, or an engine directory is corrupt."""
+
+
+class BackendUnavailable(KilnError):
+    """The backend asked for cannot run on this machine."""
+
+
+class GateFailed(KilnError):
+    """An engine failed a gate; carries the report so callers can print the numbers."""
+
+    def __init__(self, message: str, report: object) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class RegistryError(KilnError):
+    """The model registry is unreachable or refused an operation."""

@@ -1,0 +1,1 @@
+"""Prefect wiring only: flows, tasks wrapped around components, deployments, the CLI."""

@@ -1,0 +1,232 @@
+"""The `kiln` command line (Typer). Heavy modules load inside the verbs, so `kiln --help`
+and importing this module stay fast and torch-free.
+
+Exit codes: 0 success, 1 a gate failed, 2 unusable input (bad params, missing or corrupt
+files, unreachable registry).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kiln.errors import GateFailed, KilnError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="kiln: train → export → build → gate → register → serve.")
+console = Console()
+err_console = Console(stderr=True)
+
+ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="params file (default: params.yaml in the current folder)")]
+
+
+def _prepare_environment(root: Path) -> None:
+    """Run state stays in the project, not the user's home; set before prefect is imported."""
+    from kiln.workspace import Workspace
+
+    workspace = Workspace(root)
+    os.environ.setdefault("PREFECT_HOME", str(workspace.prefect_home))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("HF_HOME", str(workspace.hf_home))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load(params_file: Path):
+    from kiln.config import load_params
+
+    return load_params(params_file)
+
+
+def _fail(err: KilnError) -> None:
+    err_console.print(f"[bold red]error:[/] {' '.join(str(err).split())}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1 if isinstance(err, GateFailed) else 2)
+
+
+@app.command()
+def run(
+    params_file: ParamsOption = Path("params.yaml"),
+    fresh: Annotated[bool, typer.Option(help="ignore cached stage results")] = False,
+) -> None:
+    """Retrain and rebuild: data → train → export → build → gates → register."""
+    _run_pipeline(params_file, model_dir=None, fresh=fresh)
+
+
+@app.command()
+def build(
+    params_file: ParamsOption = Path("params.yaml"),
+    model: Annotated[Path | None, typer.Option(help="model directory (default: model.pretrained)")] = None,
+    fresh: Annotated[bool, typer.Option(help="ignore cached stage results")] = False,
+) -> None:
+    """The same flow from an existing model, without training."""
+    try:
+        params = _load(params_file)
+        if model is None and not params.model.pretrained:
+            raise KilnError("kiln build needs a model: pass --model DIR or set model.pretrained in params.yaml")
+        model_dir = model if model is not None else Path(params.model.pretrained)
+    except KilnError as err:
+        _fail(err)
+    _run_pipeline(params_file, model_dir=model_dir, fresh=fresh)
+
+
+def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool) -> None:
+    root = Path.cwd()
+    _prepare_environment(root)
+    try:
+        params = _load(params_file)
+        if model_dir is not None:
+            from kiln.components.train import check_model_directory
+
+            check_model_directory(model_dir.resolve())
+            model_dir = model_dir.resolve()
+        if fresh:
+            os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+        from kiln.flows.pipeline import retrain_and_rebuild
+
+        result = retrain_and_rebuild(params, root, model_dir)
+    except GateFailed as err:
+        _print_report(err.report)
+        _fail(err)
+    except KilnError as err:
+        _fail(err)
+    _print_result(result)
+
+
+def _print_report(report) -> None:
+    table = Table(title="gates", show_lines=False)
+    for column in ("gate", "measure", "value", "limit"):
+        table.add_column(column)
+    from kiln.components.gates import _limit_text
+
+    for gate in report.gates:
+        for measure, value in gate.measured.items():
+            style = "" if gate.passed else "red"
+            table.add_row(gate.name, measure, f"{value:.6g}", _limit_text(measure, gate.thresholds), style=style)
+    console.print(table)
+
+
+def _print_result(result) -> None:
+    reg = result.registration
+    _print_report(result.report)
+    state = "registered" if reg.created else "unchanged (same engine sha256 already registered)"
+    aliases = f" @{', @'.join(reg.aliases)}" if reg.aliases else ""
+    console.print(f"[bold green]{reg.name} version {reg.version}{aliases}[/] — {state}")
+    console.print(f"  engine sha256 {result.engine.sha256[:16]}…  data {result.data.md5}")
+    if result.model.eval_perplexity is not None:
+        console.print(
+            f"  model eval perplexity {result.model.eval_perplexity:.2f} (uniform guess {result.model.uniform_perplexity:.0f})"
+        )
+    console.print("  see it in the MLflow UI: [bold]kiln up[/] → http://127.0.0.1:5000")
+    if result.sample is not None:
+        console.print("[bold]sample completion[/] (engine downloaded from the registry):")
+        console.print(f"  {result.sample!r}", highlight=False)
+
+
+@app.command()
+def gate(
+    engine_dir: Annotated[Path, typer.Argument(help="engine directory (with engine.json)")],
+    params_file: Annotated[Path | None, typer.Option("--params", "-p", help="params file (default: params.yaml if present)")] = None,
+    reference: Annotated[Path | None, typer.Option(help="reference model directory (default: from the engine's lineage)")] = None,
+    data: Annotated[Path | None, typer.Option(help="data directory holding eval.parquet (default: data.path)")] = None,
+) -> None:
+    """Gate one engine directory; prints the report; exit 1 when a gate fails."""
+    _prepare_environment(Path.cwd())
+    try:
+        report = _gate(engine_dir, params_file, reference, data)
+    except KilnError as err:
+        _fail(err)
+    _print_report(report)
+    if not report.passed:
+        _fail(GateFailed("; ".join(report.failures()), report))
+    console.print("[bold green]all gates passed[/]")
+
+
+def _gate(engine_dir: Path, params_file: Path | None, reference: Path | None, data_dir: Path | None):
+    from kiln.components.data import DataVersion
+    from kiln.components.engine_dir import load_engine_dir
+    from kiln.components.gates import gate_engine_dir
+    from kiln.components.train import model_from_directory
+    from kiln.config import Params
+
+    if params_file is None:
+        params = _load(Path("params.yaml")) if Path("params.yaml").is_file() else Params()
+    else:
+        params = _load(params_file)
+    engine = load_engine_dir(engine_dir)
+    model = model_from_directory(reference or Path(engine.manifest.lineage.source_model_path))
+    if model.sha256 != engine.manifest.lineage.source_model_sha256:
+        err_console.print(f"[yellow]note:[/] reference {model.path} is not the model this engine was built from")
+    data = DataVersion(path=data_dir or Path(params.data.path), md5="")
+    if not data.split_path("eval").is_file():
+        raise KilnError(f"no eval split at {data.split_path('eval')}: pass --data DIR")
+    return gate_engine_dir(engine.path, model.path, data.texts("eval"), params.gates)
+
+
+@app.command()
+def promote(
+    params_file: ParamsOption = Path("params.yaml"),
+    to_alias: Annotated[str, typer.Option("--to", help="alias to set")] = "champion",
+    from_alias: Annotated[str, typer.Option("--from", help="alias whose version to take")] = "challenger",
+    version: Annotated[str | None, typer.Option(help="a version number instead of --from")] = None,
+) -> None:
+    """Move an alias (default: champion to the current challenger)."""
+    from kiln.flows.lineage import registry_target
+    from kiln.registry import promote as promote_version
+    from kiln.workspace import Workspace
+
+    try:
+        params = _load(params_file)
+        info = promote_version(registry_target(params.registry, Workspace(Path.cwd())), to_alias, from_alias, version)
+    except KilnError as err:
+        _fail(err)
+    console.print(f"{info.name}@{to_alias} → version {info.version}")
+
+
+@app.command()
+def doctor() -> None:
+    """Which backends this machine can build and run, and why not."""
+    from kiln.components.engines.availability import backend_statuses
+
+    table = Table(title="backends on this machine")
+    for column in ("backend", "build", "run", "details"):
+        table.add_column(column)
+    for status in backend_statuses():
+        table.add_row(status.backend, _yes_no(status.can_build), _yes_no(status.can_run), status.details)
+    console.print(table)
+
+
+def _yes_no(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]no[/]"
+
+
+@app.command()
+def up(
+    params_file: ParamsOption = Path("params.yaml"),
+    mlflow_port: int = 5000,
+    prefect_port: int = 4200,
+) -> None:
+    """Local MLflow server (the embedded SQLite store and artifacts) and Prefect server, for the UIs."""
+    from kiln.flows.servers import serve_uis
+
+    root = Path.cwd()
+    _prepare_environment(root)
+    try:
+        serve_uis(root, _load(params_file), mlflow_port, prefect_port)
+    except KilnError as err:
+        _fail(err)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""What a registered engine records about where it came from: the run's params, metrics,
+artifacts and the version tags of DESIGN.md's registry contract."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.components.engine_dir import EngineDir
+from kiln.components.export import ExportedOnnx
+from kiln.components.gates import GateReport
+from kiln.components.train import TrainedModel
+from kiln.config import Params, RegistryParams
+from kiln.registry import RegistryTarget
+from kiln.registry.store import RunRecord
+from kiln.workspace import Workspace
+
+
+def registry_target(params: RegistryParams, workspace: Workspace) -> RegistryTarget:
+    """The configured tracking URI, or the embedded SQLite store under mlruns/."""
+    if params.tracking_uri:
+        return RegistryTarget(params.tracking_uri, params.model_name, params.experiment)
+    return RegistryTarget(workspace.embedded_tracking_uri, params.model_name, params.experiment, workspace.artifact_root)
+
+
+def version_tags(params: Params, engine: EngineDir, report: GateReport, git_commit: str) -> dict[str, str]:
+    manifest = engine.manifest
+    tags = {
+        "engine_sha256": manifest.engine_sha256,
+        "backend": manifest.backend,
+        "backend_version": manifest.backend_version,
+        "precision": manifest.precision,
+        "target": manifest.target,
+        "data_md5": manifest.lineage.data_md5,
+        "calibration_digest": manifest.lineage.calibration_digest or "none",
+        "source_model_sha256": manifest.lineage.source_model_sha256,
+        "onnx_sha256": manifest.lineage.onnx_sha256,
+        "git_commit": git_commit,
+        "params_sha256": params.digest(),
+        "gates.passed": str(report.passed).lower(),
+    }
+    return tags | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()}
+
+
+def run_record(
+    params: Params, model: TrainedModel, onnx: ExportedOnnx, engine: EngineDir, report: GateReport, report_dir: Path, git_commit: str
+) -> RunRecord:
+    metrics = dict(report.flat_numbers())
+    metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
+    metrics["export.parity.decode_max_abs_diff"] = onnx.parity.decode_max_abs_diff
+    if model.eval_perplexity is not None:
+        metrics["train.eval_perplexity"] = model.eval_perplexity
+        metrics["train.uniform_perplexity"] = model.uniform_perplexity or 0.0
+    return RunRecord(
+        params=_flatten(params.model_dump(mode="json")),
+        metrics=metrics,
+        version_tags=version_tags(params, engine, report, git_commit),
+        artifacts={"gates": report_dir},
+        step_metrics={"train.loss": list(model.loss_curve)} if model.loss_curve else {},
+    )
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{name}.")
+        else:
+            flat[name] = str(value)
+    return flat
