@@ -177,8 +177,13 @@ class RegistryParams(_Section):
 
 
 class SampleParams(_Section):
+    """The completion `kiln run` prints from the registered engine (seeded: reproducible)."""
+
     prompt: str = "The list type"
     max_tokens: int = Field(40, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    seed: int = 0
 
 
 class Params(_Section):

@@ -182,6 +182,7 @@ def write_splits(splits: dict[str, list[str]], data_dir: Path, source: CorpusSou
     same corpus always hashes to the same DVC version."""
     import datasets
 
+    datasets.disable_progress_bars()  # one "Creating parquet" bar per split says nothing
     data_dir.mkdir(parents=True, exist_ok=True)
     for stale in data_dir.iterdir():
         if stale.is_file():
@@ -205,8 +206,13 @@ def dvc_md5(dvc_file: Path) -> str:
 
 
 def _dvc_repo(root: Path):
+    import logging
+
     from dvc.exceptions import NotDvcRepoError
     from dvc.repo import Repo
+
+    # dvc logs "To track the changes with git, run: ..." at INFO; kiln leaves git to people.
+    logging.getLogger("dvc").setLevel(logging.WARNING)
 
     try:
         return Repo(str(root))

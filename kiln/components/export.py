@@ -3,6 +3,9 @@ PyTorch on a left-padded prompt (empty past) and on decode steps (with past)."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,7 +133,7 @@ def _export(model, layout: KVLayout, opset: int, path: Path) -> None:
         tuple({0: batch, 2: past} for _ in layout.past_names),
     )
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_exporter():
             torch.onnx.export(
                 _kv_wrapper(model),
                 tuple(example),  # flat; torch groups the KV tensors as forward's *past
@@ -145,6 +148,18 @@ def _export(model, layout: KVLayout, opset: int, path: Path) -> None:
             )
     except Exception as err:  # torch.export raises a zoo of types; all mean "export failed"
         raise ExportError(f"torch.onnx.export of the model failed: {type(err).__name__}: {err}") from err
+
+
+@contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The dynamo exporter warns about torchvision, pytree and axis renaming on every export."""
+    import logging
+
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
 
 
 def _example_inputs(layout: KVLayout, batch: int, sequence: int, past: int) -> list:

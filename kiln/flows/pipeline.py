@@ -46,7 +46,9 @@ def sample_from_registry(registration: Registration, params: Params, workspace: 
     local = download_version(target, registration.version, workspace.state / "downloads" / f"{registration.name}-{registration.version}")
     engine = load_engine(local)
     tokenizer = EngineTokenizer(local)
-    ids = engine.generate([tokenizer.encode(params.sample.prompt)], Sampling(max_new_tokens=params.sample.max_tokens))[0]
+    wanted = params.sample
+    sampling = Sampling(max_new_tokens=wanted.max_tokens, temperature=wanted.temperature, top_p=wanted.top_p, seed=wanted.seed)
+    ids = engine.generate([tokenizer.encode(wanted.prompt)], sampling)[0]
     return params.sample.prompt + tokenizer.decode(ids)
 
 
@@ -70,7 +72,7 @@ class PipelineResult:
     sample: str | None
 
 
-@flow(name="retrain-and-rebuild", log_prints=True)
+@flow(name="retrain-and-rebuild")
 def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = None) -> PipelineResult:
     """data → train → export → build → gates → register → sample. `model_dir` skips training."""
     workspace = Workspace(root)

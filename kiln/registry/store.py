@@ -61,7 +61,12 @@ class VersionInfo:
 
 
 def _client(target: RegistryTarget):
+    import logging
+
     from mlflow import MlflowClient
+
+    # "Creating initial MLflow database tables..." on every new client says nothing to users.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
     return MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
 
@@ -236,11 +241,10 @@ def download_version(target: RegistryTarget, version: str, destination: Path) ->
     shutil.rmtree(destination, ignore_errors=True)
     destination.mkdir(parents=True)
     try:
-        path = mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{target.model_name}/{version}",
-            dst_path=str(destination),
-            tracking_uri=target.tracking_uri,
-        )
+        # The version's own source URI: `models:/` URIs would resolve through the global
+        # registry URI rather than this target's.
+        source = _client(target).get_model_version_download_uri(target.model_name, version)
+        path = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(destination), tracking_uri=target.tracking_uri)
     except (MlflowException, OSError) as err:
         raise RegistryError(f"cannot download {target.model_name} version {version}: {err}") from err
     return Path(path)
