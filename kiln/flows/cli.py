@@ -7,6 +7,7 @@ files, unreachable registry).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -90,6 +91,7 @@ def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool) -> Non
             os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
         from kiln.flows.pipeline import retrain_and_rebuild
 
+        _hide_kiln_tracebacks()
         result = retrain_and_rebuild(params, root, model_dir)
     except GateFailed as err:
         _print_report(err.report)
@@ -97,6 +99,22 @@ def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool) -> Non
     except KilnError as err:
         _fail(err)
     _print_result(result)
+
+
+class _NoKilnTracebacks(logging.Filter):
+    """A KilnError's message already says what was wrong; Prefect's console would add a
+    traceback for the task and again for the flow."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], KilnError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _hide_kiln_tracebacks() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_NoKilnTracebacks())
 
 
 def _print_report(report) -> None:
