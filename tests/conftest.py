@@ -1,0 +1,143 @@
+"""Shared fixtures: a tiny project (corpus, DVC repo with a local remote), a tiny GPT-2
+trained in the session, its ONNX export and engine, and a temporary MLflow store.
+
+Everything runs on the CPU with no network. Environment variables are set before any test
+module imports prefect or transformers, so nothing is written to the user's home.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_SESSION_HOME = Path(tempfile.mkdtemp(prefix="kiln-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+os.environ["HF_HOME"] = str(_SESSION_HOME / "huggingface")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+(_SESSION_HOME / "prefect").mkdir(parents=True, exist_ok=True)
+
+import pytest  # noqa: E402
+
+from kiln.config import (  # noqa: E402
+    ArchitectureParams,
+    DataParams,
+    GateParams,
+    LatencyGateParams,
+    ModelParams,
+    Params,
+    QualityGateParams,
+    RegistryParams,
+    SampleParams,
+    TextFilesSource,
+    TokenizerParams,
+    TrainingParams,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DVC = str(Path(sys.executable).parent / "dvc")
+
+
+def tiny_params(root: Path, **overrides) -> Params:
+    """Params for a tiny model on the tiny corpus: seconds, not minutes."""
+    sections = dict(
+        data=DataParams(source=TextFilesSource(kind="text-files", glob="corpus/*.txt"), min_chars=32),
+        model=ModelParams(
+            tokenizer=TokenizerParams(vocab_size=400),
+            architecture=ArchitectureParams(n_layer=2, n_head=2, n_embd=32, n_positions=128),
+            training=TrainingParams(steps=40, batch_size=8, block_size=32, learning_rate=5e-3, warmup_steps=5, eval_batches=4),
+        ),
+        gates=GateParams(
+            quality=QualityGateParams(sequences=8, sequence_length=32),
+            latency=LatencyGateParams(prompt_tokens=8, new_tokens=8, warmup=1, runs=3, max_p95_ms=5000),
+        ),
+        registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name="kiln-tiny"),
+        sample=SampleParams(prompt="The list", max_tokens=8),
+    )
+    sections.update(overrides)
+    return Params(**sections)
+
+
+def write_corpus(directory: Path) -> None:
+    """A small corpus from CPython's bundled pydoc topics (offline, real English prose)."""
+    from pydoc_data.topics import topics
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in sorted(topics)[:40]:
+        (directory / f"{name}.txt").write_text(topics[name])
+
+
+def make_project(root: Path) -> Path:
+    """A project folder: corpus, a DVC repo (no git) with a local remote."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_corpus(root / "corpus")
+    subprocess.run([DVC, "init", "--no-scm", "-q"], cwd=root, check=True)
+    subprocess.run([DVC, "remote", "add", "-d", "local", str(root / "dvc-remote")], cwd=root, check=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory) -> Path:
+    return make_project(tmp_path_factory.mktemp("project"))
+
+
+@pytest.fixture(scope="session")
+def params(project) -> Params:
+    return tiny_params(project)
+
+
+@pytest.fixture(scope="session")
+def data_version(project, params):
+    from kiln.components.data import data_version_from_source
+
+    return data_version_from_source(params.data, project)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(project, params, data_version):
+    from kiln.components.train import model_from_data
+
+    return model_from_data(data_version, params.model, project / "models")
+
+
+@pytest.fixture(scope="session")
+def exported(project, params, tiny_model):
+    from kiln.components.export import onnx_from_model
+
+    return onnx_from_model(tiny_model, params.export, project / "onnx")
+
+
+@pytest.fixture(scope="session")
+def engine_dir(project, params, tiny_model, exported, data_version):
+    from kiln.components.build import engine_from_onnx
+
+    return engine_from_onnx(exported, tiny_model, data_version, params.build, project / "engines")
+
+
+@pytest.fixture(scope="session")
+def engine(engine_dir):
+    from kiln.components.engines import load_engine
+
+    return load_engine(engine_dir.path)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    from kiln.components.train import load_model
+
+    return load_model(tiny_model.path)
+
+
+@pytest.fixture()
+def registry_target(tmp_path):
+    """A fresh MLflow store on temporary SQLite with local artifacts."""
+    from kiln.registry import RegistryTarget
+
+    return RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test", "kiln-test", tmp_path / "artifacts")

@@ -1,0 +1,62 @@
+"""params.yaml is read once into typed config; every mistake names the key that is wrong."""
+
+from pathlib import Path
+
+import pytest
+
+from kiln.config import Params, load_params
+from kiln.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_shipped_params_file_is_valid_and_trains_from_scratch_on_cpython_docs():
+    params = load_params(REPO / "params.yaml")
+    assert params.data.source.kind == "cpython-docs"
+    assert params.model.pretrained is None
+    assert params.build.backend == "onnxruntime"
+
+
+def test_an_empty_file_means_every_default(tmp_path):
+    assert load_params(write(tmp_path, "")) == Params()
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.trainig: unknown key"):
+        load_params(write(tmp_path, "model:\n  trainig:\n    steps: 3\n"))
+
+
+def test_wrong_type_is_named_with_the_value_found(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.training\.steps: .*integer.*'many'"):
+        load_params(write(tmp_path, "model:\n  training:\n    steps: many\n"))
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="params file not found"):
+        load_params(tmp_path / "nope.yaml")
+
+
+def test_invalid_yaml_is_reported_as_such(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_params(write(tmp_path, "data: [1,\n"))
+
+
+def test_a_profile_range_must_be_ordered(tmp_path):
+    with pytest.raises(ConfigError, match=r"build\.profiles\.prompt.*min <= opt <= max"):
+        load_params(write(tmp_path, "build:\n  profiles:\n    prompt: {min: 64, opt: 32, max: 128}\n"))
+
+
+def test_heads_must_divide_the_width(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of n_head"):
+        load_params(write(tmp_path, "model:\n  architecture: {n_embd: 30, n_head: 4}\n"))
+
+
+def test_digest_changes_with_any_parameter():
+    assert Params().digest() != Params.model_validate({"sample": {"max_tokens": 7}}).digest()
+    assert Params().digest() == Params().digest()

@@ -1,0 +1,81 @@
+"""The data stage: clean, deduplicate, split, save as Parquet, version with DVC."""
+
+import subprocess
+
+import pytest
+
+from kiln.components.data import (
+    DataVersion,
+    clean_documents,
+    data_version_from_source,
+    documents_from_source,
+    dvc_md5,
+    split_of,
+)
+from kiln.config import CPythonDocsSource, DataParams, TextFilesSource
+from kiln.errors import DataError
+
+from .conftest import DVC
+
+
+def test_cleaning_drops_short_passages_and_exact_duplicates_ignoring_case():
+    docs = ["short", "A passage that is long enough to keep.", "a passage that is LONG enough to keep."]
+    assert clean_documents(docs, min_chars=10, max_chars=1000) == ["A passage that is long enough to keep."]
+
+
+def test_long_documents_are_cut_at_paragraph_boundaries():
+    doc = "\n\n".join(f"paragraph {i} " + "x" * 50 for i in range(10))
+    passages = clean_documents([doc], min_chars=1, max_chars=150)
+    assert len(passages) > 1
+    assert all(len(p) <= 150 for p in passages)
+    assert all(p.startswith("paragraph") for p in passages)
+
+
+def test_a_passage_always_lands_in_the_same_split():
+    assert {split_of("some passage", 0.1, 0.1) for _ in range(5)} == {split_of("some passage", 0.1, 0.1)}
+
+
+def test_the_default_corpus_is_cpython_docs_read_offline():
+    passages = clean_documents(documents_from_source(CPythonDocsSource(), root=None), 64, 4000)
+    assert sum(map(len, passages)) > 1_500_000
+
+
+def test_data_is_split_saved_and_versioned_by_dvc(project, data_version: DataVersion):
+    manifest = data_version.manifest()
+    assert set(manifest["splits"]) == {"train", "eval", "calibration"}
+    assert all(split["rows"] > 0 for split in manifest["splits"].values())
+    assert data_version.md5 == dvc_md5(project / "data.dvc")
+    status = subprocess.run([DVC, "status"], cwd=project, capture_output=True, text=True, check=True)
+    assert "up to date" in status.stdout
+    pushed = subprocess.run([DVC, "status", "--cloud"], cwd=project, capture_output=True, text=True, check=True)
+    assert "in sync" in pushed.stdout
+
+
+def test_unchanged_data_keeps_its_version_and_files(project, params, data_version):
+    before = data_version.split_path("train").stat().st_mtime_ns
+    again = data_version_from_source(params.data, project)
+    assert again.md5 == data_version.md5
+    assert again.split_path("train").stat().st_mtime_ns == before
+
+
+def test_deleted_data_is_pulled_back_from_the_remote(tmp_path):
+    from .conftest import make_project, tiny_params
+
+    root = make_project(tmp_path / "p")
+    params = tiny_params(root).data
+    first = data_version_from_source(params, root)
+    for file in first.path.iterdir():
+        file.unlink()
+    assert data_version_from_source(params, root).md5 == first.md5
+    assert first.split_path("eval").is_file()
+
+
+def test_a_glob_that_matches_nothing_is_a_data_error(project):
+    params = DataParams(source=TextFilesSource(kind="text-files", glob="nowhere/*.txt"))
+    with pytest.raises(DataError, match="matched no files"):
+        data_version_from_source(params, project)
+
+
+def test_a_folder_that_is_not_a_dvc_repository_is_named(tmp_path):
+    with pytest.raises(DataError, match="not a DVC repository"):
+        data_version_from_source(DataParams(), tmp_path)

@@ -1,0 +1,100 @@
+"""The ONNX Runtime engine: its directory contract and generation over the KV cache."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.components.engine_dir import load_engine_dir
+from kiln.components.engines import load_engine
+from kiln.components.engines.base import EngineTokenizer, Sampling, ShapeOutOfProfile
+from kiln.components.files import file_sha256
+from kiln.errors import BuildError
+
+
+def test_engine_json_records_identity_profiles_and_lineage(engine_dir, tiny_model, exported, data_version):
+    manifest = json.loads((engine_dir.path / "engine.json").read_text())
+    assert manifest["backend"] == "onnxruntime" and manifest["target"] == "cpu" and manifest["precision"] == "fp32"
+    assert manifest["engine_sha256"] == file_sha256(engine_dir.path / "model.onnx")
+    assert manifest["lineage"]["source_model_sha256"] == tiny_model.sha256
+    assert manifest["lineage"]["data_md5"] == data_version.md5
+    assert manifest["profiles"]["context"]["past"]["max"] == 0
+    assert manifest["profiles"]["generation"]["sequence"] == {"min": 1, "opt": 1, "max": 1}
+    assert manifest["parity"]["prefill_max_abs_diff"] == exported.parity.prefill_max_abs_diff
+    assert {"tokenizer.json", "model.onnx", "engine.json"} <= {p.name for p in engine_dir.path.iterdir()}
+
+
+def test_greedy_generation_matches_pytorch_greedy(engine, reference, engine_dir):
+    tokenizer = EngineTokenizer(engine_dir.path)
+    prompt = tokenizer.encode("The list type")
+    ours = engine.generate([prompt], Sampling(max_new_tokens=12, stop_at_eos=False))[0]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        theirs = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_a_left_padded_batch_generates_what_each_prompt_does_alone(engine, engine_dir):
+    tokenizer = EngineTokenizer(engine_dir.path)
+    prompts = [tokenizer.encode("The list type"), tokenizer.encode("A function that returns the value of")]
+    greedy = Sampling(max_new_tokens=6, stop_at_eos=False)
+    together = engine.generate(prompts, greedy)
+    assert together == [engine.generate([p], greedy)[0] for p in prompts]
+
+
+def test_sampling_is_reproducible_for_a_seed(engine, engine_dir):
+    prompt = [EngineTokenizer(engine_dir.path).encode("The")]
+    sampled = [engine.generate(prompt, Sampling(max_new_tokens=16, temperature=1.5, seed=s, stop_at_eos=False))[0] for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1]
+    assert sampled[0] != sampled[2]
+
+
+def test_top_p_near_zero_is_greedy(engine, engine_dir):
+    prompt = [EngineTokenizer(engine_dir.path).encode("The list")]
+    nucleus = engine.generate(prompt, Sampling(max_new_tokens=8, temperature=1.0, top_p=1e-9, seed=3, stop_at_eos=False))
+    assert nucleus == engine.generate(prompt, Sampling(max_new_tokens=8, stop_at_eos=False))
+
+
+def test_a_prompt_longer_than_the_profile_is_refused_with_the_limit(engine):
+    limit = engine.manifest.profiles["context"].sequence.max
+    with pytest.raises(ShapeOutOfProfile, match=rf"prompt of {limit + 1} tokens .*\(1\.\.{limit} tokens\)"):
+        engine.generate([[1] * (limit + 1)], Sampling(max_new_tokens=1))
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused(engine):
+    context = engine.manifest.profiles["generation"].past.max + 1
+    with pytest.raises(ShapeOutOfProfile, match=f"allows {context}"):
+        engine.generate([[1] * 10], Sampling(max_new_tokens=context))
+
+
+def test_a_corrupt_engine_file_is_refused_before_loading(tmp_path, engine_dir):
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir.path, copy)
+    data = bytearray((copy / "model.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / "model.onnx").write_bytes(bytes(data))
+    with pytest.raises(BuildError, match="is corrupt: sha256"):
+        load_engine(copy)
+
+
+def test_a_folder_without_engine_json_is_not_an_engine(tmp_path):
+    with pytest.raises(BuildError, match="no engine.json"):
+        load_engine_dir(tmp_path)
+
+
+def test_a_malformed_engine_json_is_named(tmp_path, engine_dir):
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir.path, copy)
+    (copy / "engine.json").write_text('{"backend": "onnxruntime"}')
+    with pytest.raises(BuildError, match="not a valid engine manifest"):
+        load_engine_dir(copy)
+
+
+def test_prefill_logits_match_pytorch(engine, reference):
+    ids = np.arange(1, 17, dtype=np.int64).reshape(2, 8)
+    logits, _ = engine.prefill(ids, np.ones_like(ids))
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(logits - expected).max() < 1e-4

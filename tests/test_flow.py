@@ -1,0 +1,63 @@
+"""The retrain-and-rebuild flow under Prefect's test harness, on a temporary MLflow store."""
+
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+from kiln.components.data import dvc_md5
+from kiln.config import GateParams, LatencyGateParams, QualityGateParams
+from kiln.errors import GateFailed
+from kiln.flows.lineage import registry_target
+from kiln.flows.pipeline import retrain_and_rebuild
+from kiln.registry import CHALLENGER, resolve_alias
+from kiln.workspace import Workspace
+
+from .conftest import make_project, tiny_params
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def flow_project(tmp_path_factory):
+    return make_project(tmp_path_factory.mktemp("flow"))
+
+
+def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
+    params = tiny_params(flow_project)
+    first = retrain_and_rebuild(params, flow_project)
+    assert first.registration.created and first.registration.aliases == (CHALLENGER,)
+    assert first.report.passed
+    assert first.sample.startswith(params.sample.prompt) and len(first.sample) > len(params.sample.prompt)
+
+    info = resolve_alias(registry_target(params.registry, Workspace(flow_project)), CHALLENGER)
+    assert info.tags["data_md5"] == dvc_md5(flow_project / "data.dvc")
+    assert info.tags["engine_sha256"] == first.engine.sha256
+    assert info.tags["gates.passed"] == "true"
+    assert info.tags["params_sha256"] == params.digest()
+    assert float(info.tags["gates.quality.top1_agreement"]) == 1.0
+    assert {"backend", "precision", "target", "calibration_digest", "git_commit", "gates.latency.p95_ms"} <= set(info.tags)
+
+    second = retrain_and_rebuild(params, flow_project)
+    assert not second.registration.created
+    assert second.registration.version == first.registration.version
+
+
+def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_project):
+    slow = GateParams(
+        quality=QualityGateParams(sequences=8, sequence_length=32),
+        latency=LatencyGateParams(prompt_tokens=8, new_tokens=8, warmup=1, runs=3, max_p95_ms=1e-6),
+    )
+    params = tiny_params(flow_project, gates=slow).model_copy(
+        update={"registry": tiny_params(flow_project).registry.model_copy(update={"model_name": "kiln-too-slow"})}
+    )
+    with pytest.raises(GateFailed, match=r"failed its gates: latency: p95_ms .* \(limit <= 1e-06\)"):
+        retrain_and_rebuild(params, flow_project)
+    from kiln.errors import RegistryError
+
+    with pytest.raises(RegistryError):
+        resolve_alias(registry_target(params.registry, Workspace(flow_project)), CHALLENGER)

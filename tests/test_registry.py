@@ -1,0 +1,101 @@
+"""The MLflow registry on a temporary SQLite store: versions, tags, aliases, downloads."""
+
+import pytest
+from mlflow import MlflowClient
+
+from kiln.components.files import file_sha256
+from kiln.errors import RegistryError
+from kiln.registry import (
+    CHALLENGER,
+    CHAMPION,
+    RegistryTarget,
+    download_version,
+    find_version_by_sha256,
+    preflight,
+    promote,
+    register_engine,
+    resolve_alias,
+)
+from kiln.registry.store import RunRecord
+
+
+def record(passed: bool = True, **tags) -> RunRecord:
+    return RunRecord(
+        params={"model.training.steps": "40"},
+        metrics={"gates.quality.top1_agreement": 1.0},
+        version_tags={"backend": "onnxruntime", "gates.passed": str(passed).lower(), "data_md5": "abc.dir"} | tags,
+        step_metrics={"train.loss": [(0, 6.0), (10, 5.0)]},
+    )
+
+
+def versions(target: RegistryTarget) -> list:
+    return MlflowClient(target.tracking_uri).search_model_versions(f"name='{target.model_name}'")
+
+
+def test_a_passing_engine_becomes_a_tagged_version_aliased_challenger(registry_target, engine_dir):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    assert registration.created and registration.aliases == (CHALLENGER,)
+    info = resolve_alias(registry_target, CHALLENGER)
+    assert info.version == registration.version
+    assert info.tags["engine_sha256"] == engine_dir.sha256
+    assert info.tags["data_md5"] == "abc.dir"
+    run = MlflowClient(registry_target.tracking_uri).get_run(registration.run_id)
+    assert run.data.params["model.training.steps"] == "40"
+    assert run.data.metrics["gates.quality.top1_agreement"] == 1.0
+    assert run.info.status == "FINISHED"
+
+
+def test_registering_the_same_engine_twice_creates_no_second_version(registry_target, engine_dir):
+    first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    second = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    assert not second.created and second.version == first.version
+    assert len(versions(registry_target)) == 1
+    assert find_version_by_sha256(registry_target, engine_dir.sha256).version == first.version
+
+
+def test_a_failing_engine_is_registered_without_any_alias(registry_target, engine_dir):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, False, record(passed=False))
+    assert registration.created and registration.aliases == ()
+    with pytest.raises(RegistryError, match=f"@{CHALLENGER} does not resolve"):
+        resolve_alias(registry_target, CHALLENGER)
+
+
+def test_promote_refuses_a_version_whose_gates_failed(registry_target, engine_dir):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, False, record(passed=False))
+    with pytest.raises(RegistryError, match="did not pass its gates"):
+        promote(registry_target, CHAMPION, version=registration.version)
+    with pytest.raises(RegistryError):
+        resolve_alias(registry_target, CHAMPION)
+
+
+def test_promote_points_champion_at_the_challenger(registry_target, engine_dir):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    promoted = promote(registry_target)
+    assert promoted.version == registration.version
+    assert set(promoted.aliases) == {CHALLENGER, CHAMPION}
+
+
+def test_a_downloaded_version_is_the_engine_that_was_registered(registry_target, engine_dir, tmp_path):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    local = download_version(registry_target, registration.version, tmp_path / "download")
+    assert file_sha256(local / "model.onnx") == engine_dir.sha256
+    assert (local / "engine.json").read_text() == (engine_dir.path / "engine.json").read_text()
+
+
+def test_a_failure_mid_registration_leaves_no_version_and_no_alias(registry_target, engine_dir, tmp_path):
+    missing_artifact = RunRecord(params={}, metrics={}, version_tags={}, artifacts={"gates": tmp_path / "absent.json"})
+    with pytest.raises(RegistryError, match="nothing kept"):
+        register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, missing_artifact)
+    assert versions(registry_target) == []
+    with pytest.raises(RegistryError):
+        resolve_alias(registry_target, CHALLENGER)
+
+
+def test_an_unreachable_tracking_server_fails_fast_with_its_address():
+    with pytest.raises(RegistryError, match=r"http://127\.0\.0\.1:9 is unreachable"):
+        preflight(RegistryTarget("http://127.0.0.1:9", "m", "e"), timeout_s=2)
+
+
+def test_an_alias_on_a_missing_model_is_a_registry_error(registry_target):
+    with pytest.raises(RegistryError, match="does not resolve"):
+        resolve_alias(registry_target, CHAMPION)
