@@ -22,6 +22,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+os.environ["XDG_CACHE_HOME"] = str(_SESSION_HOME / "cache")
+os.environ["XDG_CONFIG_HOME"] = str(_SESSION_HOME / "config")
+os.environ["MPLCONFIGDIR"] = str(_SESSION_HOME / "config" / "matplotlib")
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ["DVC_NO_ANALYTICS"] = "1"
 (_SESSION_HOME / "prefect").mkdir(parents=True, exist_ok=True)
 
 import pytest  # noqa: E402

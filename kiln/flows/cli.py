@@ -27,17 +27,9 @@ ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="params file 
 
 
 def _prepare_environment(root: Path) -> None:
-    """Run state stays in the project, not the user's home; set before prefect is imported."""
-    from kiln.workspace import Workspace
+    from kiln.flows.environment import prepare_environment
 
-    workspace = Workspace(root)
-    os.environ.setdefault("PREFECT_HOME", str(workspace.prefect_home))
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # prefect makes only the leaf
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("HF_HOME", str(workspace.hf_home))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    prepare_environment(root)
 
 
 def _load(params_file: Path):
