@@ -36,6 +36,8 @@ def server_commands(root: Path, params: Params, mlflow_port: int, prefect_port: 
 def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int) -> None:
     console = Console()
     Workspace(root).mlruns.mkdir(parents=True, exist_ok=True)
+    # A TERM (from a supervisor, or `timeout`) must still stop both servers below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     processes = {
         name: subprocess.Popen(command, cwd=root, env=os.environ.copy(), start_new_session=True)
         for name, command in server_commands(root, params, mlflow_port, prefect_port).items()
