@@ -25,7 +25,8 @@ os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
 os.environ["XDG_CACHE_HOME"] = str(_SESSION_HOME / "cache")
 os.environ["XDG_CONFIG_HOME"] = str(_SESSION_HOME / "config")
 os.environ["MPLCONFIGDIR"] = str(_SESSION_HOME / "config" / "matplotlib")
-os.environ["DO_NOT_TRACK"] = "1"
+os.environ["DO_NOT_TRACK"] = "true"
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["DVC_NO_ANALYTICS"] = "1"
 (_SESSION_HOME / "prefect").mkdir(parents=True, exist_ok=True)
 

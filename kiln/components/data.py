@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import glob
 import json
+import logging
 import re
 import sysconfig
 from collections.abc import Iterable, Iterator
@@ -26,6 +27,7 @@ from kiln.config import (
 from kiln.errors import DataError
 
 SPLITS = ("train", "eval", "calibration")
+_log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 
 
@@ -206,8 +208,6 @@ def dvc_md5(dvc_file: Path) -> str:
 
 
 def _dvc_repo(root: Path):
-    import logging
-
     from dvc.exceptions import NotDvcRepoError
     from dvc.repo import Repo
 
@@ -242,12 +242,15 @@ def _tracked_and_clean(repo, dvc_file: Path) -> bool:
 
 
 def _try_pull(repo, dvc_file: Path) -> None:
+    """Fetch the version data.dvc names, if the cache or remote has it. When neither has it
+    (a fresh clone, a new remote) the caller rebuilds from the source and checks the md5."""
     from dvc.exceptions import DvcException
 
+    logging.getLogger("dvc_data").setLevel(logging.ERROR)  # "missing cache files" is expected here
     try:
         repo.pull(targets=[str(dvc_file)])
-    except DvcException:
-        pass  # nothing to pull (new remote, other corpus): the caller rebuilds from source
+    except DvcException as err:
+        _log.warning("data version in %s is not in the DVC cache or remote (%s); rebuilding it from the source", dvc_file.name, str(err).splitlines()[0])
 
 
 def data_version_from_source(params: DataParams, root: Path) -> DataVersion:

@@ -24,7 +24,8 @@ def prepare_environment(root: Path) -> None:
         "MPLCONFIGDIR": state.state / "config" / "matplotlib",
         "TOKENIZERS_PARALLELISM": "false",
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "DO_NOT_TRACK": "1",
+        "DO_NOT_TRACK": "true",  # mlflow reads "true", not "1"
+        "MLFLOW_DISABLE_TELEMETRY": "true",
         "DVC_NO_ANALYTICS": "1",
     }
     for name, value in defaults.items():
