@@ -136,21 +136,76 @@ class ProfileParams(_Section):
     context: ShapeRange = ShapeRange(min=2, opt=64, max=256)
 
 
+Precision = Literal["fp32", "fp16", "int8"]
+
+
+class KeepFloatParams(_Section):
+    """Nodes left in float when the rest of the graph is quantized."""
+
+    op_types: list[str] = ["LayerNormalization", "Softmax"]
+    name_patterns: list[str] = []  # regular expressions matched against node names
+    attention_scores: bool = True  # the activation × activation MatMuls (Q·Kᵀ, attn·V)
+
+
+class Int8Params(_Section):
+    # The linear layers hold the weights (and the time); quantizing residual Adds, embedding
+    # Gathers or reshapes costs quality and buys no int8 kernel.
+    op_types: list[str] = ["MatMul", "Gemm"]
+    calibration_method: Literal["minmax", "entropy", "percentile"] = "percentile"
+    per_channel: bool = True
+    keep_float: KeepFloatParams = KeepFloatParams()
+
+
+class Fp16Params(_Section):
+    keep_fp32_op_types: list[str] = ["LayerNormalization", "Softmax"]
+
+
+class PrecisionParams(_Section):
+    build: list[Precision] = Field(default_factory=lambda: ["fp32", "int8"], min_length=1)
+    int8: Int8Params = Int8Params()
+    fp16: Fp16Params = Fp16Params()
+
+
+class CalibrationParams(_Section):
+    samples: int = Field(128, ge=1)
+    buckets: int = Field(4, ge=1)
+    decode_steps: int = Field(4, ge=0)  # decode-step feeds with a real past, per prompt
+    near_duplicate_threshold: float = Field(0.8, gt=0, le=1)  # MinHash Jaccard estimate
+    seed: int = 0
+
+
+class TensorRTParams(_Section):
+    workspace_mib: int = Field(4096, ge=64)
+    optimization_level: int = Field(3, ge=0, le=5)
+    timing_cache: str = ".kiln/tensorrt/timing.cache"  # reused across builds
+
+
 class BuildParams(_Section):
-    backend: Literal["onnxruntime"] = "onnxruntime"
-    precision: Literal["fp32"] = "fp32"
+    # auto: TensorRT where it imports and an NVIDIA GPU is present, else ONNX Runtime.
+    backend: Literal["auto", "onnxruntime", "tensorrt"] = "auto"
     profiles: ProfileParams = ProfileParams()
     threads: int | None = Field(None, ge=1)
+    tensorrt: TensorRTParams = TensorRTParams()
 
 
 # ---------------------------------------------------------------- gates
 
 
+class QualityLimits(_Section):
+    min_top1_agreement: float = Field(ge=0, le=1)
+    max_ppl_increase_pct: float = Field(ge=0)
+
+
 class QualityGateParams(_Section):
     sequences: int = Field(32, ge=1)
     sequence_length: int = Field(64, ge=2)
-    min_top1_agreement: float = Field(0.99, ge=0, le=1)
-    max_ppl_increase_pct: float = Field(1.0, ge=0)
+    # Per precision: fp32 must match its reference; int8 may lose a little (TensorRT
+    # deployments report < 2 % BLEU/ROUGE change for int8: we hold perplexity to that).
+    limits: dict[Precision, QualityLimits] = {
+        "fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=1.0),
+        "fp16": QualityLimits(min_top1_agreement=0.98, max_ppl_increase_pct=1.5),
+        "int8": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0),
+    }
 
 
 class LatencyGateParams(_Section):
@@ -190,6 +245,8 @@ class Params(_Section):
     data: DataParams = DataParams()
     model: ModelParams = ModelParams()
     export: ExportParams = ExportParams()
+    calibration: CalibrationParams = CalibrationParams()
+    precision: PrecisionParams = PrecisionParams()
     build: BuildParams = BuildParams()
     gates: GateParams = GateParams()
     registry: RegistryParams = RegistryParams()

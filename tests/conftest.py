@@ -39,6 +39,7 @@ from kiln.config import (  # noqa: E402
     LatencyGateParams,
     ModelParams,
     Params,
+    PrecisionParams,
     QualityGateParams,
     RegistryParams,
     SampleParams,
@@ -66,6 +67,7 @@ def tiny_params(root: Path, **overrides) -> Params:
         ),
         registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name="kiln-tiny"),
         sample=SampleParams(prompt="The list", max_tokens=8),
+        precision=PrecisionParams(build=["fp32"]),
     )
     sections.update(overrides)
     return Params(**sections)
@@ -121,10 +123,23 @@ def exported(project, params, tiny_model):
 
 
 @pytest.fixture(scope="session")
-def engine_dir(project, params, tiny_model, exported, data_version):
-    from kiln.components.build import engine_from_onnx
+def calibration(project, params, tiny_model, data_version):
+    from kiln.components.calibrate import calibration_set_from_pool
 
-    return engine_from_onnx(exported, tiny_model, data_version, params.build, project / "engines")
+    return calibration_set_from_pool(data_version, tiny_model.path, params.build.profiles, params.calibration, project / "calibration")
+
+
+def build_engine(project, params, tiny_model, exported, data_version, precision="fp32", calibration=None):
+    from kiln.components.build import engine_from_onnx
+    from kiln.components.precision import precision_onnx
+
+    graph = precision_onnx(exported, precision, calibration, params.precision, project / "precision")
+    return engine_from_onnx(graph, tiny_model, data_version, params.build, project / "engines")
+
+
+@pytest.fixture(scope="session")
+def engine_dir(project, params, tiny_model, exported, data_version):
+    return build_engine(project, params, tiny_model, exported, data_version)
 
 
 @pytest.fixture(scope="session")

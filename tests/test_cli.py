@@ -96,12 +96,12 @@ def test_kiln_run_registers_a_challenger_prints_a_sample_and_a_second_run_regist
     write_params(root / "params.yaml", tiny_params(root))
     first = kiln("run", cwd=root)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "kiln-tiny version 1 @challenger" in first.stdout and "registered" in first.stdout
+    assert "kiln-tiny version 1 @challenger (fp32) — registered" in first.stdout
     assert "sample completion" in first.stdout and "'The list" in first.stdout
 
     second = kiln("run", cwd=root)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "kiln-tiny version 1 @challenger — unchanged" in second.stdout
+    assert "kiln-tiny version 1 @challenger (fp32) — unchanged" in second.stdout
     assert second.stderr.count("Cached(type=COMPLETED)") >= 4
 
     promoted = kiln("promote", cwd=root)

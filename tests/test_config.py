@@ -20,7 +20,8 @@ def test_the_shipped_params_file_is_valid_and_trains_from_scratch_on_cpython_doc
     params = load_params(REPO / "params.yaml")
     assert params.data.source.kind == "cpython-docs"
     assert params.model.pretrained is None
-    assert params.build.backend == "onnxruntime"
+    assert params.build.backend == "auto"
+    assert params.precision.build == ["fp32", "int8"]
 
 
 def test_an_empty_file_means_every_default(tmp_path):

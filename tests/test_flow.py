@@ -30,21 +30,24 @@ def flow_project(tmp_path_factory):
 def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
     params = tiny_params(flow_project)
     first = retrain_and_rebuild(params, flow_project)
-    assert first.registration.created and first.registration.aliases == (CHALLENGER,)
-    assert first.report.passed
+    assert first.challenger is first.outcomes[0]
+    registration = first.challenger.registration
+    assert registration.created
+    assert first.challenger.report.passed
     assert first.sample.startswith(params.sample.prompt) and len(first.sample) > len(params.sample.prompt)
 
     info = resolve_alias(registry_target(params.registry, Workspace(flow_project)), CHALLENGER)
     assert info.tags["data_md5"] == dvc_md5(flow_project / "data.dvc")
-    assert info.tags["engine_sha256"] == first.engine.sha256
+    assert info.version == registration.version
+    assert info.tags["engine_sha256"] == first.challenger.engine.sha256
     assert info.tags["gates.passed"] == "true"
     assert info.tags["params_sha256"] == params.digest()
     assert float(info.tags["gates.quality.top1_agreement"]) == 1.0
     assert {"backend", "precision", "target", "calibration_digest", "git_commit", "gates.latency.p95_ms"} <= set(info.tags)
 
     second = retrain_and_rebuild(params, flow_project)
-    assert not second.registration.created
-    assert second.registration.version == first.registration.version
+    assert not second.challenger.registration.created
+    assert second.challenger.registration.version == registration.version
 
 
 def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_project):
@@ -55,7 +58,7 @@ def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_
     params = tiny_params(flow_project, gates=slow).model_copy(
         update={"registry": tiny_params(flow_project).registry.model_copy(update={"model_name": "kiln-too-slow"})}
     )
-    with pytest.raises(GateFailed, match=r"failed its gates: latency: p95_ms .* \(limit <= 1e-06\)"):
+    with pytest.raises(GateFailed, match=r"gates failed for fp32 \(version 1\): latency: p95_ms .* \(limit <= 1e-06\)"):
         retrain_and_rebuild(params, flow_project)
     from kiln.errors import RegistryError
 

@@ -7,7 +7,7 @@ import pytest
 from kiln.components.engines.base import Engine, EngineTokenizer
 from kiln.components.gates import eval_windows, gate_report, latency_gate, quality_gate, write_report
 from kiln.components.metrics import load_metric
-from kiln.config import LatencyGateParams, QualityGateParams
+from kiln.config import LatencyGateParams, QualityGateParams, QualityLimits
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,9 @@ class FlattenedEngine(Engine):
 
 
 def test_a_perplexity_rise_past_the_limit_fails(engine, reference, windows):
-    strict = QualityGateParams(sequences=8, sequence_length=32, min_top1_agreement=0.99, max_ppl_increase_pct=0.5)
+    strict = QualityGateParams(
+        sequences=8, sequence_length=32, limits={"fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=0.5)}
+    )
     result = quality_gate(FlattenedEngine(engine, 0.7), reference, windows, strict)
     assert not result.passed
     assert result.measured["top1_agreement"] == 1.0

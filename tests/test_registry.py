@@ -32,9 +32,10 @@ def versions(target: RegistryTarget) -> list:
     return MlflowClient(target.tracking_uri).search_model_versions(f"name='{target.model_name}'")
 
 
-def test_a_passing_engine_becomes_a_tagged_version_aliased_challenger(registry_target, engine_dir):
-    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
-    assert registration.created and registration.aliases == (CHALLENGER,)
+def test_a_passing_engine_becomes_a_tagged_version_that_can_be_aliased_challenger(registry_target, engine_dir):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
+    assert registration.created and registration.aliases == ()
+    promote(registry_target, CHALLENGER, version=registration.version)
     info = resolve_alias(registry_target, CHALLENGER)
     assert info.version == registration.version
     assert info.tags["engine_sha256"] == engine_dir.sha256
@@ -46,22 +47,24 @@ def test_a_passing_engine_becomes_a_tagged_version_aliased_challenger(registry_t
 
 
 def test_registering_the_same_engine_twice_creates_no_second_version(registry_target, engine_dir):
-    first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
-    second = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
+    second = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
     assert not second.created and second.version == first.version
     assert len(versions(registry_target)) == 1
     assert find_version_by_sha256(registry_target, engine_dir.sha256).version == first.version
 
 
-def test_a_failing_engine_is_registered_without_any_alias(registry_target, engine_dir):
-    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, False, record(passed=False))
+def test_a_failing_engine_is_registered_but_never_aliased(registry_target, engine_dir):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
     assert registration.created and registration.aliases == ()
+    with pytest.raises(RegistryError, match="did not pass its gates"):
+        promote(registry_target, CHALLENGER, version=registration.version)
     with pytest.raises(RegistryError, match=f"@{CHALLENGER} does not resolve"):
         resolve_alias(registry_target, CHALLENGER)
 
 
 def test_promote_refuses_a_version_whose_gates_failed(registry_target, engine_dir):
-    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, False, record(passed=False))
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
     with pytest.raises(RegistryError, match="did not pass its gates"):
         promote(registry_target, CHAMPION, version=registration.version)
     with pytest.raises(RegistryError):
@@ -69,14 +72,15 @@ def test_promote_refuses_a_version_whose_gates_failed(registry_target, engine_di
 
 
 def test_promote_points_champion_at_the_challenger(registry_target, engine_dir):
-    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
+    promote(registry_target, CHALLENGER, version=registration.version)
     promoted = promote(registry_target)
     assert promoted.version == registration.version
     assert set(promoted.aliases) == {CHALLENGER, CHAMPION}
 
 
 def test_a_downloaded_version_is_the_engine_that_was_registered(registry_target, engine_dir, tmp_path):
-    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, record())
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
     local = download_version(registry_target, registration.version, tmp_path / "download")
     assert file_sha256(local / "model.onnx") == engine_dir.sha256
     assert (local / "engine.json").read_text() == (engine_dir.path / "engine.json").read_text()
@@ -85,7 +89,7 @@ def test_a_downloaded_version_is_the_engine_that_was_registered(registry_target,
 def test_a_failure_mid_registration_leaves_no_version_and_no_alias(registry_target, engine_dir, tmp_path):
     missing_artifact = RunRecord(params={}, metrics={}, version_tags={}, artifacts={"gates": tmp_path / "absent.json"})
     with pytest.raises(RegistryError, match="nothing kept"):
-        register_engine(registry_target, engine_dir.path, engine_dir.sha256, True, missing_artifact)
+        register_engine(registry_target, engine_dir.path, engine_dir.sha256, missing_artifact)
     assert versions(registry_target) == []
     with pytest.raises(RegistryError):
         resolve_alias(registry_target, CHALLENGER)

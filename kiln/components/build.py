@@ -6,22 +6,42 @@ from pathlib import Path
 
 from kiln.components.data import DataVersion
 from kiln.components.engine_dir import EngineDir, Lineage
-from kiln.components.export import ExportedOnnx
+from kiln.components.precision import PrecisionOnnx
 from kiln.components.train import TrainedModel
 from kiln.config import BuildParams
+from kiln.errors import BackendUnavailable
 
 
-def lineage_of(model: TrainedModel, onnx: ExportedOnnx, data: DataVersion) -> Lineage:
+def lineage_of(model: TrainedModel, graph: PrecisionOnnx, data: DataVersion) -> Lineage:
     return Lineage(
         source_model_path=str(model.path.resolve()),
         source_model_sha256=model.sha256,
-        onnx_sha256=onnx.sha256,
+        onnx_sha256=graph.fp32_sha256,
+        precision_onnx_sha256=graph.onnx.sha256,
         data_md5=data.md5,
+        calibration_digest=graph.calibration_digest,
     )
 
 
-def engine_from_onnx(onnx: ExportedOnnx, model: TrainedModel, data: DataVersion, params: BuildParams, out_root: Path) -> EngineDir:
+def resolve_backend(requested: str) -> str:
+    """`auto` is TensorRT where it imports and an NVIDIA GPU is present, else ONNX Runtime."""
+    from kiln.components.engines.availability import tensorrt_ready
+
+    ready, why_not = tensorrt_ready()
+    if requested == "tensorrt" and not ready:
+        raise BackendUnavailable(f"build.backend is tensorrt, but {why_not}")
+    if requested == "auto":
+        return "tensorrt" if ready else "onnxruntime"
+    return requested
+
+
+def engine_from_onnx(graph: PrecisionOnnx, model: TrainedModel, data: DataVersion, params: BuildParams, out_root: Path) -> EngineDir:
     """Build one engine; the directory carries its lineage back to model, ONNX and data."""
+    lineage = lineage_of(model, graph, data)
+    if resolve_backend(params.backend) == "tensorrt":
+        from kiln.components.engines.tensorrt import trt_engine_from_onnx
+
+        return trt_engine_from_onnx(graph, model.path, lineage, params, out_root)
     from kiln.components.engines.onnxruntime import ort_engine_from_onnx
 
-    return ort_engine_from_onnx(onnx, model.path, lineage_of(model, onnx, data), params, out_root)
+    return ort_engine_from_onnx(graph, model.path, lineage, params, out_root)

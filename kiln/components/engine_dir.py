@@ -43,7 +43,8 @@ class ShapeProfile(_Frozen):
 class Lineage(_Frozen):
     source_model_path: str
     source_model_sha256: str
-    onnx_sha256: str
+    onnx_sha256: str  # the fp32 export
+    precision_onnx_sha256: str  # the graph the engine was built from
     data_md5: str
     calibration_digest: str | None = None
 

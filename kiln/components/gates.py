@@ -12,7 +12,8 @@ import numpy as np
 
 from kiln.components.engines.base import Engine, EngineTokenizer, Sampling
 from kiln.components.progress import stage_progress
-from kiln.config import GateParams, LatencyGateParams, QualityGateParams
+from kiln.config import GateParams, LatencyGateParams, QualityGateParams, QualityLimits
+from kiln.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,16 @@ def quality_gate(engine: Engine, reference, windows: np.ndarray, params: Quality
         "ppl_increase_pct": 100.0 * (ppl_engine / ppl_reference - 1.0),
         "tokens": float(sum(map(len, engine_argmax))),
     }
-    thresholds = {"min_top1_agreement": params.min_top1_agreement, "max_ppl_increase_pct": params.max_ppl_increase_pct}
-    passed = agreement >= params.min_top1_agreement and measured["ppl_increase_pct"] <= params.max_ppl_increase_pct
+    limits = quality_limits(params, engine.manifest.precision)
+    thresholds = {"min_top1_agreement": limits.min_top1_agreement, "max_ppl_increase_pct": limits.max_ppl_increase_pct}
+    passed = agreement >= limits.min_top1_agreement and measured["ppl_increase_pct"] <= limits.max_ppl_increase_pct
     return GateResult("quality", passed, measured, thresholds)
+
+
+def quality_limits(params: QualityGateParams, precision: str) -> QualityLimits:
+    if precision not in params.limits:
+        raise ConfigError(f"gates.quality.limits has no entry for precision {precision!r}")
+    return params.limits[precision]
 
 
 def _reference_logits(reference, batch: np.ndarray) -> np.ndarray:

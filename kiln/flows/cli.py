@@ -86,7 +86,7 @@ def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool) -> Non
         _hide_kiln_tracebacks()
         result = retrain_and_rebuild(params, root, model_dir)
     except GateFailed as err:
-        _print_report(err.report)
+        _print_result(err.report)
         _fail(err)
     except KilnError as err:
         _fail(err)
@@ -123,19 +123,39 @@ def _print_report(report) -> None:
 
 
 def _print_result(result) -> None:
-    reg = result.registration
-    _print_report(result.report)
-    state = "registered" if reg.created else "unchanged (same engine sha256 already registered)"
-    aliases = f" @{', @'.join(reg.aliases)}" if reg.aliases else ""
-    console.print(f"[bold green]{reg.name} version {reg.version}{aliases}[/] — {state}")
-    console.print(f"  engine sha256 {result.engine.sha256[:16]}…  data {result.data.md5}")
+    table = Table(title="engines built in this run")
+    for column in ("precision", "backend", "top-1 agreement", "ppl Δ %", "p50 ms", "p95 ms", "gates", "version"):
+        table.add_column(column, justify="right" if column not in ("precision", "backend", "gates") else "left")
+    for outcome in result.outcomes:
+        quality, latency = outcome.report.gate("quality").measured, outcome.report.gate("latency").measured
+        reg = outcome.registration
+        state = "new" if reg.created else "unchanged"
+        mark = "@challenger" if result.challenger is outcome else ""
+        table.add_row(
+            outcome.precision,
+            outcome.engine.manifest.backend,
+            f"{quality['top1_agreement']:.4f}",
+            f"{quality['ppl_increase_pct']:+.3f}",
+            f"{latency['p50_ms']:.1f}",
+            f"{latency['p95_ms']:.1f}",
+            "[green]passed[/]" if outcome.report.passed else "[red]FAILED[/]",
+            f"{reg.version} ({state}) {mark}",
+        )
+    console.print(table)
+    for outcome in result.failed:
+        console.print(f"[red]{outcome.precision} failed:[/] " + "; ".join(outcome.report.failures()))
+    if result.challenger is not None:
+        reg = result.challenger.registration
+        state = "registered" if reg.created else "unchanged (same engine sha256 already registered)"
+        console.print(f"[bold green]{reg.name} version {reg.version} @challenger[/] ({result.challenger.precision}) — {state}")
+        console.print(f"  engine sha256 {result.challenger.engine.sha256[:16]}…  data {result.data.md5}")
     if result.model.eval_perplexity is not None:
         console.print(
             f"  model eval perplexity {result.model.eval_perplexity:.2f} (uniform guess {result.model.uniform_perplexity:.0f})"
         )
     console.print("  see it in the MLflow UI: [bold]kiln up[/] → http://127.0.0.1:5000")
     if result.sample is not None:
-        console.print("[bold]sample completion[/] (engine downloaded from the registry):")
+        console.print("[bold]sample completion[/] (challenger engine downloaded from the registry):")
         console.print(f"  {result.sample!r}", highlight=False)
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kiln.components.calibrate import CalibrationSet
 from kiln.components.engine_dir import EngineDir
 from kiln.components.export import ExportedOnnx
 from kiln.components.gates import GateReport
 from kiln.components.train import TrainedModel
 from kiln.config import Params, RegistryParams
 from kiln.registry import RegistryTarget
-from kiln.registry.store import RunRecord
+from kiln.registry.store import DatasetRecord, RunRecord
 from kiln.workspace import Workspace
 
 
@@ -34,6 +35,7 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         "calibration_digest": manifest.lineage.calibration_digest or "none",
         "source_model_sha256": manifest.lineage.source_model_sha256,
         "onnx_sha256": manifest.lineage.onnx_sha256,
+        "precision_onnx_sha256": manifest.lineage.precision_onnx_sha256,
         "git_commit": git_commit,
         "params_sha256": params.digest(),
         "gates.passed": str(report.passed).lower(),
@@ -42,7 +44,14 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
 
 
 def run_record(
-    params: Params, model: TrainedModel, onnx: ExportedOnnx, engine: EngineDir, report: GateReport, report_dir: Path, git_commit: str
+    params: Params,
+    model: TrainedModel,
+    onnx: ExportedOnnx,
+    engine: EngineDir,
+    report: GateReport,
+    report_dir: Path,
+    calibration: CalibrationSet | None,
+    git_commit: str,
 ) -> RunRecord:
     metrics = dict(report.flat_numbers())
     metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
@@ -50,12 +59,20 @@ def run_record(
     if model.eval_perplexity is not None:
         metrics["train.eval_perplexity"] = model.eval_perplexity
         metrics["train.uniform_perplexity"] = model.uniform_perplexity or 0.0
+    artifacts = {"gates": report_dir}
+    datasets = [DatasetRecord("corpus", engine.manifest.lineage.data_md5, str(Path(params.data.path).with_suffix(".dvc")), "training")]
+    if engine.manifest.lineage.calibration_digest and calibration is not None:
+        artifacts["calibration"] = calibration.path
+        manifest = calibration.manifest()
+        profile = {k: manifest[k] for k in ("samples", "buckets", "tokens", "decode_steps", "near_duplicates_removed")}
+        datasets.append(DatasetRecord("calibration", calibration.digest, str(calibration.path), "calibration", profile))
     return RunRecord(
         params=_flatten(params.model_dump(mode="json")),
         metrics=metrics,
         version_tags=version_tags(params, engine, report, git_commit),
-        artifacts={"gates": report_dir},
+        artifacts=artifacts,
         step_metrics={"train.loss": list(model.loss_curve)} if model.loss_curve else {},
+        datasets=tuple(datasets),
     )
 
 

@@ -32,6 +32,17 @@ class RegistryTarget:
 
 
 @dataclass(frozen=True)
+class DatasetRecord:
+    """A dataset the run consumed, logged as an MLflow dataset input."""
+
+    name: str
+    digest: str
+    source: str
+    context: str  # "training", "calibration", ...
+    profile: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """What one registration logs to its MLflow run besides the engine itself."""
 
@@ -40,6 +51,7 @@ class RunRecord:
     version_tags: dict[str, str]
     artifacts: dict[str, Path] = field(default_factory=dict)  # artifact path → local dir or file
     step_metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    datasets: tuple[DatasetRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,8 +133,8 @@ def _version_info(client, name: str, version: str) -> VersionInfo:
     return VersionInfo(name=name, version=str(mv.version), tags=dict(mv.tags), aliases=aliases, run_id=mv.run_id)
 
 
-def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str, passed: bool, record: RunRecord) -> Registration:
-    """Log a run and create the model version; alias it `challenger` only if it passed."""
+def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str, record: RunRecord) -> Registration:
+    """Log a run and create the model version (no alias: see `promote`)."""
     from mlflow.exceptions import MlflowException
 
     existing = find_version_by_sha256(target, engine_sha256)
@@ -138,8 +150,6 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
         version = client.create_model_version(
             target.model_name, source=source, run_id=run_id, tags=record.version_tags | {"engine_sha256": engine_sha256}
         ).version
-        if passed:
-            client.set_registered_model_alias(target.model_name, CHALLENGER, version)
         client.set_terminated(run_id, "FINISHED")
     except (MlflowException, OSError) as err:
         _roll_back(client, target.model_name, run_id, version)
@@ -148,7 +158,7 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
     except BaseException:
         _roll_back(client, target.model_name, run_id, version)
         raise
-    return Registration(target.model_name, str(version), run_id, created=True, aliases=(CHALLENGER,) if passed else ())
+    return Registration(target.model_name, str(version), run_id, created=True, aliases=())
 
 
 def _log_run(client, run_id: str, engine_dir: Path, record: RunRecord) -> None:
@@ -162,12 +172,29 @@ def _log_run(client, run_id: str, engine_dir: Path, record: RunRecord) -> None:
     params = [Param(k, str(v)[:6000]) for k, v in record.params.items()]
     for start in range(0, max(len(metrics), len(params)), 100):  # log_batch takes ≤ 100 params a call
         client.log_batch(run_id, metrics=metrics[start : start + 100], params=params[start : start + 100])
+    if record.datasets:
+        client.log_inputs(run_id, datasets=[_dataset_input(d) for d in record.datasets])
     client.log_artifacts(run_id, str(engine_dir), ENGINE_ARTIFACT)
     for artifact_path, local in record.artifacts.items():
         if local.is_dir():
             client.log_artifacts(run_id, str(local), artifact_path)
         else:
             client.log_artifact(run_id, str(local), artifact_path)
+
+
+def _dataset_input(record: DatasetRecord):
+    import json
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = Dataset(
+        name=record.name,
+        digest=record.digest[:36],  # MLflow's digest column holds 36 characters
+        source_type="local",
+        source=json.dumps({"uri": record.source}),
+        profile=json.dumps(record.profile),
+    )
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", record.context)])
 
 
 def _ensure_registered_model(client, name: str) -> None:
@@ -207,7 +234,8 @@ def resolve_alias(target: RegistryTarget, alias: str) -> VersionInfo:
 
 
 def promote(target: RegistryTarget, to_alias: str = CHAMPION, from_alias: str = CHALLENGER, version: str | None = None) -> VersionInfo:
-    """Point `to_alias` at `version` (default: the version `from_alias` names).
+    """Point `to_alias` at `version` (default: the version `from_alias` names). The flow
+    uses it to set `challenger`, a person (`kiln promote`) to set `champion`.
 
     Refuses a version whose gates did not pass: kiln never aliases such a version.
     """

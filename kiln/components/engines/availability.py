@@ -39,6 +39,17 @@ def _tensorrt_status() -> BackendStatus:
     return BackendStatus("tensorrt", True, True, f"TensorRT {tensorrt.__version__}; GPU: {gpu}")
 
 
+def tensorrt_ready() -> tuple[bool, str]:
+    """(True, "") where TensorRT imports and an NVIDIA GPU is present, else (False, why)."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return False, "the tensorrt package is not installed"
+    if gpu_description() is None:
+        return False, "no NVIDIA GPU is visible (nvidia-smi found none)"
+    return True, ""
+
+
 def gpu_description() -> str | None:
     """'name (sm_XX)' of the first NVIDIA GPU, from nvidia-smi; None where there is none."""
     if shutil.which("nvidia-smi") is None:

@@ -19,9 +19,13 @@ from kiln.components.engine_dir import (
     write_manifest,
 )
 from kiln.components.engines.base import Engine
-from kiln.components.export import ExportedOnnx
+from kiln.components.precision import PrecisionOnnx
 from kiln.components.files import atomic_directory, file_sha256
 from kiln.config import BuildParams, ProfileParams, section_digest
+
+# ORT fuses a quantized MatMul + Add into a float Gemm with no int8 kernel, so the weights
+# would be dequantized on every step (slower than fp32): keep that fusion off for Q/DQ graphs.
+QDQ_DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
 
 BACKEND = "onnxruntime"
 ENGINE_FILE = "model.onnx"
@@ -43,12 +47,13 @@ def profiles_from_params(params: ProfileParams) -> dict[str, ShapeProfile]:
 
 
 def ort_engine_from_onnx(
-    onnx: ExportedOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path
+    graph: PrecisionOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path
 ) -> EngineDir:
     """An ONNX Runtime engine directory: the precision ONNX as the engine file."""
     import onnxruntime as ort
 
-    target = out_root / f"{BACKEND}-{params.precision}-{section_digest(params)[:8]}-{onnx.sha256[:12]}"
+    onnx = graph.onnx
+    target = out_root / f"{BACKEND}-{graph.precision}-{section_digest(params.profiles)[:8]}-{onnx.sha256[:12]}"
     if not (target / "engine.json").is_file():
         with atomic_directory(target) as staging:
             shutil.copyfile(onnx.path, staging / ENGINE_FILE)
@@ -58,7 +63,7 @@ def ort_engine_from_onnx(
             manifest = EngineManifest(
                 backend=BACKEND,
                 backend_version=ort.__version__,
-                precision=params.precision,
+                precision=graph.precision,
                 target="cpu",
                 opset=onnx.opset,
                 engine_file=ENGINE_FILE,
@@ -99,8 +104,11 @@ class OrtEngine(Engine):
         if threads:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3
+        disabled = QDQ_DISABLED_OPTIMIZERS if self.manifest.precision == "int8" else []
         try:
-            self.session = ort.InferenceSession(str(engine_dir.engine_file), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(
+                str(engine_dir.engine_file), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
+            )
         except Exception as err:  # ORT raises its own Fail/InvalidGraph types
             from kiln.errors import BuildError
 
