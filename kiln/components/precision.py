@@ -129,8 +129,11 @@ def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8P
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     prepared = output.with_name("prepared.onnx")
-    # Symbolic shape inference first, or ops whose shapes ORT cannot infer stay uncalibrated.
-    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=True)
+    # Symbolic shape inference first, or ops whose shapes ORT cannot infer stay uncalibrated;
+    # and constant folding (ORT's basic level: standard ONNX ops only), so a weight reached
+    # through a Transpose (the tied lm_head) becomes an initializer that is quantized once,
+    # per channel, instead of being re-quantized as an activation on every step.
+    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False)
     model = onnx_lib.load(str(prepared))
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
     quantize_static(

@@ -220,6 +220,37 @@ def promote(
 
 
 @app.command()
+def bench(
+    json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
+    runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
+    precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time")] = "fp32,int8",
+    work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
+) -> None:
+    """Side-by-side generation benchmark: HF generate vs kiln engines (GPT-2-small shape)."""
+    _prepare_environment(Path.cwd())
+    from kiln.components import benchmark as bm
+
+    setup = bm.BenchSetup(runs=runs)
+    try:
+        model_dir, engines = bm.benchmark_engines(work, precisions.split(","), setup)
+    except KilnError as err:
+        _fail(err)
+    prompt = bm.random_prompts(1, setup.prompt_tokens, bm.GPT2_SMALL["vocab_size"], setup.seed)[0]
+    candidates = {"hf-eager-fp32": bm.hf_generate_fn(model_dir, prompt, setup.new_tokens)}
+    candidates |= {f"kiln-ort-{p}": bm.engine_generate_fn(path, prompt, setup.new_tokens) for p, path in engines.items()}
+    rows = bm.rows_from_samples(bm.time_interleaved(candidates, setup), setup.new_tokens, baseline="hf-eager-fp32")
+    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch 1, GPT-2-small shape (124M)")
+    for column in ("name", "median ms", "ms / token", "speed-up vs HF"):
+        table.add_column(column, justify="left" if column == "name" else "right")
+    for row in rows:
+        table.add_row(row.name, f"{row.median_ms:.0f}", f"{row.ms_per_token:.2f}", f"{row.speedup_vs_hf:.2f}×")
+    console.print(table)
+    if json_path is not None:
+        bm.write_json(rows, setup, json_path)
+        console.print(f"rows written to {json_path}")
+
+
+@app.command()
 def doctor() -> None:
     """Which backends this machine can build and run, and why not."""
     from kiln.components.engines.availability import backend_statuses

@@ -17,4 +17,8 @@ def load_engine(path: Path, threads: int | None = None) -> Engine:
         from kiln.components.engines.onnxruntime import OrtEngine
 
         return OrtEngine(engine_dir, threads=threads)
+    if backend == "tensorrt":
+        from kiln.components.engines.tensorrt import TrtEngine
+
+        return TrtEngine(engine_dir)
     raise BackendUnavailable(f"engine {path} needs backend {backend!r}, which this kiln cannot run")

@@ -75,7 +75,7 @@ def ort_engine_from_onnx(
                 head_dim=layout.head_dim,
                 vocab_size=layout.vocab_size,
                 max_positions=layout.max_positions,
-                eos_token_id=_eos_id(tokenizer_dir),
+                eos_token_id=eos_id(tokenizer_dir),
                 profiles=profiles_from_params(params.profiles),
                 lineage=lineage,
                 parity=ParityRecord(**vars(onnx.parity)),
@@ -84,7 +84,7 @@ def ort_engine_from_onnx(
     return load_engine_dir(target)
 
 
-def _eos_id(tokenizer_dir: Path) -> int:
+def eos_id(tokenizer_dir: Path) -> int:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
