@@ -59,7 +59,7 @@ def tiny_params(root: Path, **overrides) -> Params:
         model=ModelParams(
             tokenizer=TokenizerParams(vocab_size=400),
             architecture=ArchitectureParams(n_layer=2, n_head=2, n_embd=32, n_positions=128),
-            training=TrainingParams(steps=40, batch_size=8, block_size=32, learning_rate=5e-3, warmup_steps=5, eval_batches=4),
+            training=TrainingParams(steps=300, batch_size=8, block_size=32, learning_rate=5e-3, warmup_steps=20, eval_batches=4),
         ),
         gates=GateParams(
             quality=QualityGateParams(sequences=8, sequence_length=32),

@@ -64,3 +64,34 @@ def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_
 
     with pytest.raises(RegistryError):
         resolve_alias(registry_target(params.registry, Workspace(flow_project)), CHALLENGER)
+
+
+def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_that_passed(flow_project):
+    from mlflow import MlflowClient
+
+    from kiln.config import PrecisionParams
+
+    base = tiny_params(flow_project)
+    params = base.model_copy(
+        update={
+            "precision": PrecisionParams(build=["fp32", "int8"]),
+            "registry": base.registry.model_copy(update={"model_name": "kiln-two-precisions"}),
+        }
+    )
+    result = retrain_and_rebuild(params, flow_project)
+    assert [o.precision for o in result.outcomes] == ["fp32", "int8"]
+    assert all(o.registration.created and o.report.passed for o in result.outcomes)
+    fastest = min(result.outcomes, key=lambda o: o.report.gate("latency").measured["p50_ms"])
+    assert result.challenger is fastest
+
+    target = registry_target(params.registry, Workspace(flow_project))
+    assert resolve_alias(target, CHALLENGER).version == fastest.registration.version
+    client = MlflowClient(target.tracking_uri)
+    int8 = next(o for o in result.outcomes if o.precision == "int8")
+    tags = client.get_model_version(params.registry.model_name, int8.registration.version).tags
+    assert tags["calibration_digest"] == result.calibration.digest and tags["precision"] == "int8"
+    run = client.get_run(int8.registration.run_id)
+    contexts = {d.dataset.name: {t.value for t in d.tags} for d in run.inputs.dataset_inputs}
+    assert contexts == {"corpus": {"training"}, "calibration": {"calibration"}}
+    artifacts = {a.path for a in client.list_artifacts(int8.registration.run_id, "calibration")}
+    assert "calibration/lengths.png" in artifacts

@@ -29,13 +29,12 @@ def _onnxruntime_status() -> BackendStatus:
 
 
 def _tensorrt_status() -> BackendStatus:
-    gpu = gpu_description()
-    try:
-        import tensorrt
-    except ImportError:
-        return BackendStatus("tensorrt", False, False, f"tensorrt is not installed; GPU: {gpu or 'none found'}")
-    if gpu is None:
-        return BackendStatus("tensorrt", False, False, f"TensorRT {tensorrt.__version__} found, but no NVIDIA GPU")
+    ready, why_not = tensorrt_ready()
+    gpu = gpu_description() or "none found"
+    if not ready:
+        return BackendStatus("tensorrt", False, False, f"{why_not}; GPU: {gpu}")
+    import tensorrt
+
     return BackendStatus("tensorrt", True, True, f"TensorRT {tensorrt.__version__}; GPU: {gpu}")
 
 

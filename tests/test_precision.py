@@ -1,0 +1,105 @@
+"""Precision lives in the ONNX graph: int8 Q/DQ (symmetric) and fp16 with sensitive ops fp32."""
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from kiln.components.calibrate import CalibrationSet
+from kiln.components.engines import load_engine
+from kiln.components.engines.base import EngineTokenizer
+from kiln.components.gates import eval_windows, quality_gate
+from kiln.components.precision import nodes_kept_float, precision_onnx
+from kiln.config import Int8Params, KeepFloatParams, PrecisionParams
+
+from .conftest import build_engine
+
+
+@pytest.fixture(scope="module")
+def int8_graph(project, exported, calibration, params):
+    return precision_onnx(exported, "int8", calibration, params.precision, project / "precision")
+
+
+@pytest.fixture(scope="module")
+def fp16_graph(project, exported, params):
+    return precision_onnx(exported, "fp16", None, params.precision, project / "precision")
+
+
+@pytest.fixture(scope="module")
+def windows(engine_dir, data_version, params):
+    return eval_windows(EngineTokenizer(engine_dir.path), data_version.texts("eval"), params.gates.quality)
+
+
+def initializers(path):
+    return {i.name: numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
+
+
+def test_int8_graph_has_symmetric_qdq_with_per_channel_weights(int8_graph):
+    model = onnx.load(str(int8_graph.onnx.path))
+    values = initializers(int8_graph.onnx.path)
+    quantize = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert quantize, "no Q/DQ nodes"
+    zero_points = [values[n.input[2]] for n in quantize if len(n.input) > 2 and n.input[2] in values]
+    assert zero_points and all(np.all(z == 0) for z in zero_points)  # TensorRT needs zero point 0
+    assert any(values[n.input[1]].size > 1 for n in quantize if n.input[1] in values)  # per-channel scales
+    assert int8_graph.calibration_digest is not None and int8_graph.fp32_sha256 != int8_graph.onnx.sha256
+
+
+def test_int8_leaves_layernorm_softmax_and_attention_scores_in_float(int8_graph, exported):
+    model = onnx.load(str(int8_graph.onnx.path))
+    produced_by = {o: n for n in model.graph.node for o in n.output}
+    kept = set(nodes_kept_float(onnx.load(str(exported.path)), Int8Params()))
+    for node in model.graph.node:
+        if node.name in kept or node.op_type in ("LayerNormalization", "Softmax"):
+            assert all(produced_by.get(i) is None or produced_by[i].op_type != "DequantizeLinear" for i in node.input), node.name
+
+
+def test_attention_score_matmuls_are_found_without_names(exported):
+    model = onnx.load(str(exported.path))
+    found = nodes_kept_float(model, Int8Params(keep_float=KeepFloatParams(op_types=[], attention_scores=True)))
+    assert len(found) == 2 * exported.layout.num_layers  # Q·Kᵀ and attn·V per layer; lm_head is a weight
+
+
+def test_fp16_graph_keeps_layernorm_and_logits_in_fp32(fp16_graph):
+    model = onnx.load(str(fp16_graph.onnx.path))
+    types = {i.name: i.type.tensor_type.elem_type for i in list(model.graph.input) + list(model.graph.output)}
+    assert types["logits"] == onnx.TensorProto.FLOAT
+    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
+    layernorm_scales = [n.input[1] for n in model.graph.node if n.op_type == "LayerNormalization"]
+    values = initializers(fp16_graph.onnx.path)
+    assert all(values[name].dtype == np.float32 for name in layernorm_scales if name in values)
+
+
+def test_fp16_and_int8_engines_pass_their_quality_limits(project, params, tiny_model, exported, data_version, calibration, reference, windows):
+    for precision in ("fp16", "int8"):
+        engine_dir = build_engine(project, params, tiny_model, exported, data_version, precision, calibration)
+        result = quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
+        assert engine_dir.manifest.precision == precision
+        assert result.passed, (precision, result.measured)
+
+
+def int8_quality(name, settings, calibration, project, params, tiny_model, exported, data_version, reference, windows):
+    from kiln.components.build import engine_from_onnx
+
+    graph = precision_onnx(exported, "int8", calibration, settings, project / f"precision-{name}")
+    engine_dir = engine_from_onnx(graph, tiny_model, data_version, params.build, project / f"engines-{name}")
+    return quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
+
+
+@pytest.mark.parametrize("variant", ["unrepresentative", "nothing-float", "both"])
+def test_the_gate_stops_a_badly_made_int8_engine(variant, project, params, tiny_model, exported, data_version, calibration, reference, windows):
+    # One token repeated in one-token prompts, no decode steps: the activation ranges of real
+    # text are never seen. "nothing-float": every op quantized, the residual stream included.
+    bad_set = dataclasses.replace(calibration, digest="unrepresentative", prompts=((7,),) * 8, decode_steps=0)
+    everything = Int8Params(
+        calibration_method="minmax",
+        op_types=["MatMul", "Gemm", "Add", "Mul", "Softmax", "LayerNormalization", "Gather"],
+        keep_float=KeepFloatParams(op_types=[], attention_scores=False),
+    )
+    settings = PrecisionParams(int8=everything if variant != "unrepresentative" else Int8Params(calibration_method="minmax"))
+    chosen = calibration if variant == "nothing-float" else bad_set
+    result = int8_quality(variant, settings, chosen, project, params, tiny_model, exported, data_version, reference, windows)
+    print(variant, result.measured)
+    assert not result.passed
