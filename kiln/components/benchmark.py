@@ -139,7 +139,9 @@ def benchmark_calibration(work: Path, vocab: int, setup: BenchSetup):
     return CalibrationSet(path=work, digest=digest, prompts=tuple(map(tuple, prompts)), decode_steps=2)
 
 
-def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup) -> tuple[Path, dict[str, Path]]:
+def benchmark_engines(
+    work: Path, precisions: list[str], setup: BenchSetup, shape: dict[str, int] = GPT2_SMALL
+) -> tuple[Path, dict[str, Path]]:
     """The benchmark model and an ONNX Runtime engine per precision, built by the pipeline's
     own stages (cached in `work` across invocations)."""
     from kiln.components.build import engine_from_onnx
@@ -149,10 +151,10 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup) -> t
     from kiln.components.train import model_from_directory
     from kiln.config import BuildParams, ExportParams, Int8Params, PrecisionParams
 
-    model = model_from_directory(benchmark_model_dir(work / "model"))
+    model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed))
     # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
     onnx = onnx_from_model(model, ExportParams(parity_tolerance=1e-3), work / "onnx")
-    calibration = benchmark_calibration(work, GPT2_SMALL["vocab_size"], setup)
+    calibration = benchmark_calibration(work, shape["vocab_size"], setup)
     settings = PrecisionParams(build=precisions, int8=Int8Params(calibration_method="minmax"))
     data = DataVersion(path=work, md5="benchmark")
     engines = {}
