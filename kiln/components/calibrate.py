@@ -187,12 +187,14 @@ def plot_lengths(pool: list[int], curated: list[int], buckets: list[Bucket], pat
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 3.5))
-    top = max(buckets[-1].high, max(pool, default=1))
+    top = int(buckets[-1].high * 1.5)  # the profile's range and a margin; the long tail is counted, not drawn
     bins = np.linspace(0, top, 40)
-    axes.hist(pool, bins=bins, alpha=0.5, label=f"pool ({len(pool)})", density=True, color="#4c72b0")
+    longer = sum(1 for n in pool if n > top)
+    axes.hist([n for n in pool if n <= top], bins=bins, alpha=0.5, label=f"pool ({len(pool)}; {longer} longer than {top})", density=True, color="#4c72b0")
     axes.hist(curated, bins=bins, alpha=0.6, label=f"curated ({len(curated)})", density=True, color="#dd8452")
     for bucket in buckets:
         axes.axvline(bucket.high, color="k", linewidth=0.6, linestyle=":")
+    axes.set_title("calibration prompt lengths; dotted: bucket edges from the prompt profile", fontsize=9)
     axes.set_xlabel("tokens per sample (prompt length for the curated set)")
     axes.set_ylabel("density")
     axes.legend(fontsize=8)

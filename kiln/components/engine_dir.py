@@ -44,7 +44,9 @@ class Lineage(_Frozen):
     source_model_path: str
     source_model_sha256: str
     onnx_sha256: str  # the fp32 export
-    precision_onnx_sha256: str  # the graph the engine was built from
+    # The graph the engine was built from; absent in engines made before precisions
+    # existed, which were built from the fp32 export itself.
+    precision_onnx_sha256: str | None = None
     data_md5: str
     calibration_digest: str | None = None
 

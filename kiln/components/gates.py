@@ -222,7 +222,14 @@ def _plot_latency(gate: GateResult, path: Path) -> None:
     axes.hist(gate.samples_ms, bins=min(20, max(5, len(gate.samples_ms))), color="#4c72b0")
     for label, key, style in (("p50", "p50_ms", "--"), ("p95", "p95_ms", "-")):
         axes.axvline(gate.measured[key], color="k", linestyle=style, label=f"{label} {gate.measured[key]:.1f} ms")
-    axes.axvline(gate.thresholds["max_p95_ms"], color="#c44e52", label=f"limit {gate.thresholds['max_p95_ms']:g} ms")
+    limit = gate.thresholds["max_p95_ms"]
+    right = max(gate.samples_ms) * 1.3
+    if limit <= right * 2:
+        axes.axvline(limit, color="#c44e52", label=f"limit {limit:g} ms")
+        right = max(right, limit * 1.05)
+    else:  # far off to the right: drawing it would squash the samples into one bar
+        axes.plot([], [], color="#c44e52", label=f"limit {limit:g} ms (off scale)")
+    axes.set_xlim(0, right)
     axes.set_xlabel(f"ms to generate {int(gate.measured['new_tokens'])} tokens")
     axes.set_ylabel("runs")
     axes.legend(fontsize=8)

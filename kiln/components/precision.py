@@ -20,6 +20,8 @@ from kiln.config import Fp16Params, Int8Params, PrecisionParams, section_digest
 from kiln.errors import BuildError
 
 ONNX_FILE = "model.onnx"
+# Part of the output folder name: bump it when the conversion code changes its output.
+GRAPH_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ def precision_onnx(
         raise BuildError("an int8 graph needs a calibration set")
     settings = params.int8 if precision == "int8" else params.fp16
     salt = calibration.digest[:12] if precision == "int8" else "nocal"
-    target = out_root / f"{precision}-{section_digest(settings)[:10]}-{salt}-{onnx.sha256[:12]}"
+    target = out_root / f"{precision}-v{GRAPH_VERSION}-{section_digest(settings)[:10]}-{salt}-{onnx.sha256[:12]}"
     if not (target / ONNX_FILE).is_file():
         with atomic_directory(target) as staging:
             if precision == "int8":

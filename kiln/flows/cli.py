@@ -46,7 +46,7 @@ def _fail(err: KilnError) -> None:
 @app.command()
 def run(
     params_file: ParamsOption = Path("params.yaml"),
-    fresh: Annotated[bool, typer.Option(help="ignore cached stage results")] = False,
+    fresh: Annotated[bool, typer.Option(help="delete cached stage outputs and rebuild every stage")] = False,
 ) -> None:
     """Retrain and rebuild: data → train → export → build → gates → register."""
     _run_pipeline(params_file, model_dir=None, fresh=fresh)
@@ -56,7 +56,7 @@ def run(
 def build(
     params_file: ParamsOption = Path("params.yaml"),
     model: Annotated[Path | None, typer.Option(help="model directory (default: model.pretrained)")] = None,
-    fresh: Annotated[bool, typer.Option(help="ignore cached stage results")] = False,
+    fresh: Annotated[bool, typer.Option(help="delete cached stage outputs and rebuild every stage")] = False,
 ) -> None:
     """The same flow from an existing model, without training."""
     try:
@@ -80,6 +80,11 @@ def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool) -> Non
             check_model_directory(model_dir.resolve())
             model_dir = model_dir.resolve()
         if fresh:
+            import shutil
+
+            from kiln.workspace import Workspace
+
+            shutil.rmtree(Workspace(root).state / "stages", ignore_errors=True)
             os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
         from kiln.flows.pipeline import retrain_and_rebuild
 

@@ -35,7 +35,7 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         "calibration_digest": manifest.lineage.calibration_digest or "none",
         "source_model_sha256": manifest.lineage.source_model_sha256,
         "onnx_sha256": manifest.lineage.onnx_sha256,
-        "precision_onnx_sha256": manifest.lineage.precision_onnx_sha256,
+        "precision_onnx_sha256": manifest.lineage.precision_onnx_sha256 or manifest.lineage.onnx_sha256,
         "git_commit": git_commit,
         "params_sha256": params.digest(),
         "gates.passed": str(report.passed).lower(),
