@@ -7,7 +7,6 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from kiln.components.calibrate import CalibrationSet
 from kiln.components.engines import load_engine
 from kiln.components.engines.base import EngineTokenizer
 from kiln.components.gates import eval_windows, quality_gate

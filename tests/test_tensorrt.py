@@ -7,7 +7,7 @@ from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Network
 from kiln.components.engines.availability import tensorrt_ready
 from kiln.components.engines.tensorrt import MIB, check_compatible, polygraphy_loaders, trt_build_plan
 from kiln.components.precision import precision_onnx
-from kiln.config import BuildParams, TensorRTParams
+from kiln.config import TensorRTParams
 from kiln.errors import BackendUnavailable
 
 TRT_READY, TRT_MISSING = tensorrt_ready()

@@ -61,7 +61,7 @@ class GateReport:
         lines = [f"# Gate report: {'PASSED' if self.passed else 'FAILED'}", "", "| gate | measure | value | limit | |", "|---|---|---|---|---|"]
         for gate in self.gates:
             for measure, value in gate.measured.items():
-                limit = _limit_text(measure, gate.thresholds)
+                limit = limit_text(measure, gate.thresholds)
                 mark = "" if not limit else ("✅" if gate.passed else "❌")
                 lines.append(f"| {gate.name} | {measure} | {value:.6g} | {limit} | {mark} |")
         return "\n".join(lines) + "\n"
@@ -75,7 +75,7 @@ _LIMITS = {
 }
 
 
-def _limit_text(measure: str, thresholds: dict[str, float]) -> str:
+def limit_text(measure: str, thresholds: dict[str, float]) -> str:
     if measure not in _LIMITS or _LIMITS[measure][0] not in thresholds:
         return ""
     key, direction = _LIMITS[measure]

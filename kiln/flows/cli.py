@@ -118,12 +118,12 @@ def _print_report(report) -> None:
     table = Table(title="gates", show_lines=False)
     for column in ("gate", "measure", "value", "limit"):
         table.add_column(column)
-    from kiln.components.gates import _limit_text
+    from kiln.components.gates import limit_text
 
     for gate in report.gates:
         for measure, value in gate.measured.items():
             style = "" if gate.passed else "red"
-            table.add_row(gate.name, measure, f"{value:.6g}", _limit_text(measure, gate.thresholds), style=style)
+            table.add_row(gate.name, measure, f"{value:.6g}", limit_text(measure, gate.thresholds), style=style)
     console.print(table)
 
 

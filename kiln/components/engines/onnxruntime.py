@@ -5,23 +5,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
-
-from kiln.components.engine_dir import (
-    TOKENIZER_FILES,
-    DimRange,
-    EngineDir,
-    EngineManifest,
-    Lineage,
-    ParityRecord,
-    ShapeProfile,
-    load_engine_dir,
-    write_manifest,
-)
+from kiln.components.engine_dir import EngineDir, Lineage
 from kiln.components.engines.base import Engine
+from kiln.components.engines.packaging import BackendBuild, package_engine
 from kiln.components.precision import PrecisionOnnx
-from kiln.components.files import atomic_directory, file_sha256
-from kiln.config import BuildParams, ProfileParams, section_digest
+from kiln.config import BuildParams, section_digest
+from kiln.errors import BuildError
 
 # ORT can fuse a quantized MatMul + Add into a float Gemm with no int8 kernel, dequantizing
 # the weights on every step (slower than fp32). kiln's export emits Gemm for linear layers,
@@ -33,65 +22,16 @@ BACKEND = "onnxruntime"
 ENGINE_FILE = "model.onnx"
 
 
-def profiles_from_params(params: ProfileParams) -> dict[str, ShapeProfile]:
-    """Context phase (past 0, the whole prompt) and generation phase (1 token, growing past)."""
-    batch = DimRange(**params.batch.model_dump())
-    return {
-        "context": ShapeProfile(
-            batch=batch, sequence=DimRange(**params.prompt.model_dump()), past=DimRange(min=0, opt=0, max=0)
-        ),
-        "generation": ShapeProfile(
-            batch=batch,
-            sequence=DimRange(min=1, opt=1, max=1),
-            past=DimRange(min=max(params.context.min - 1, 1), opt=params.context.opt - 1, max=params.context.max - 1),
-        ),
-    }
-
-
 def ort_engine_from_onnx(
     graph: PrecisionOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path
 ) -> EngineDir:
-    """An ONNX Runtime engine directory: the precision ONNX as the engine file."""
+    """An ONNX Runtime engine directory: the precision ONNX is the engine file."""
     import onnxruntime as ort
 
-    onnx = graph.onnx
-    target = out_root / f"{BACKEND}-{graph.precision}-{section_digest(params.profiles)[:8]}-{onnx.sha256[:12]}"
-    if not (target / "engine.json").is_file():
-        with atomic_directory(target) as staging:
-            shutil.copyfile(onnx.path, staging / ENGINE_FILE)
-            for name in TOKENIZER_FILES:
-                shutil.copyfile(tokenizer_dir / name, staging / name)
-            layout = onnx.layout
-            manifest = EngineManifest(
-                backend=BACKEND,
-                backend_version=ort.__version__,
-                precision=graph.precision,
-                target="cpu",
-                opset=onnx.opset,
-                engine_file=ENGINE_FILE,
-                engine_sha256=file_sha256(staging / ENGINE_FILE),
-                inputs=layout.input_names,
-                outputs=layout.output_names,
-                num_layers=layout.num_layers,
-                num_heads=layout.num_heads,
-                head_dim=layout.head_dim,
-                vocab_size=layout.vocab_size,
-                max_positions=layout.max_positions,
-                eos_token_id=eos_id(tokenizer_dir),
-                profiles=profiles_from_params(params.profiles),
-                lineage=lineage,
-                parity=ParityRecord(**vars(onnx.parity)),
-            )
-            write_manifest(staging, manifest)
-    return load_engine_dir(target)
-
-
-def eos_id(tokenizer_dir: Path) -> int:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    return eos if eos is not None else tokenizer.get_vocab_size() - 1
+    target = out_root / f"{BACKEND}-{graph.precision}-{section_digest(params.profiles)[:8]}-{graph.onnx.sha256[:12]}"
+    build = BackendBuild(BACKEND, ort.__version__, "cpu", ENGINE_FILE)
+    copy = lambda path: shutil.copyfile(graph.onnx.path, path)  # noqa: E731
+    return package_engine(target, copy, build, graph, tokenizer_dir, lineage, params.profiles)
 
 
 class OrtEngine(Engine):
@@ -112,8 +52,6 @@ class OrtEngine(Engine):
                 str(engine_dir.engine_file), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
             )
         except Exception as err:  # ORT raises its own Fail/InvalidGraph types
-            from kiln.errors import BuildError
-
             raise BuildError(f"ONNX Runtime cannot load {engine_dir.engine_file}: {err}") from err
 
     def forward(self, input_ids, attention_mask, position_ids, cache):

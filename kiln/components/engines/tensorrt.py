@@ -21,19 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.components.engine_dir import (
-    TOKENIZER_FILES,
-    EngineDir,
-    EngineManifest,
-    Lineage,
-    ParityRecord,
-    ShapeProfile,
-    load_engine_dir,
-    write_manifest,
-)
+from kiln.components.engine_dir import EngineDir, EngineManifest, Lineage, ShapeProfile
 from kiln.components.engines.base import Engine
-from kiln.components.engines.onnxruntime import eos_id, profiles_from_params
-from kiln.components.files import atomic_directory, file_sha256
+from kiln.components.engines.packaging import BackendBuild, package_engine, profiles_from_params
 from kiln.components.precision import PrecisionOnnx
 from kiln.config import BuildParams, section_digest
 from kiln.errors import BackendUnavailable, BuildError
@@ -142,48 +132,18 @@ def trt_engine_from_onnx(
     graph: PrecisionOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path
 ) -> EngineDir:
     """Build a TensorRT engine directory (needs TensorRT and an NVIDIA GPU)."""
-    import shutil
+    build = BackendBuild(BACKEND, tensorrt_version(), gpu_target(), ENGINE_FILE)
+    target = out_root / f"{BACKEND}-{graph.precision}-{build.target}-{section_digest(params)[:8]}-{graph.onnx.sha256[:12]}"
+    plan = trt_build_plan(graph, params, Path(params.tensorrt.timing_cache).resolve())
 
-    version, target_arch = tensorrt_version(), gpu_target()
-    onnx = graph.onnx
-    key = f"{BACKEND}-{graph.precision}-{target_arch}-{section_digest(params)[:8]}-{onnx.sha256[:12]}"
-    target = out_root / key
-    if not (target / "engine.json").is_file():
-        plan = trt_build_plan(graph, params, Path(params.tensorrt.timing_cache).resolve())
+    def write_engine(path: Path) -> None:
         plan.timing_cache.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_directory(target) as staging:
-            try:
-                (staging / ENGINE_FILE).write_bytes(bytes(polygraphy_loaders(plan).engine_bytes()))
-            except Exception as err:  # TensorRT reports build failures as generic exceptions
-                raise BuildError(f"TensorRT could not build {onnx.path}: {err}") from err
-            for name in TOKENIZER_FILES:
-                shutil.copyfile(tokenizer_dir / name, staging / name)
-            write_manifest(staging, _manifest(graph, staging, tokenizer_dir, lineage, params, version, target_arch))
-    return load_engine_dir(target)
+        try:
+            path.write_bytes(bytes(polygraphy_loaders(plan).engine_bytes()))
+        except Exception as err:  # TensorRT reports build failures as generic exceptions
+            raise BuildError(f"TensorRT could not build {graph.onnx.path}: {err}") from err
 
-
-def _manifest(graph: PrecisionOnnx, staging: Path, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, version: str, arch: str) -> EngineManifest:
-    layout = graph.onnx.layout
-    return EngineManifest(
-        backend=BACKEND,
-        backend_version=version,
-        precision=graph.precision,
-        target=arch,
-        opset=graph.onnx.opset,
-        engine_file=ENGINE_FILE,
-        engine_sha256=file_sha256(staging / ENGINE_FILE),
-        inputs=layout.input_names,
-        outputs=layout.output_names,
-        num_layers=layout.num_layers,
-        num_heads=layout.num_heads,
-        head_dim=layout.head_dim,
-        vocab_size=layout.vocab_size,
-        max_positions=layout.max_positions,
-        eos_token_id=eos_id(tokenizer_dir),
-        profiles=profiles_from_params(params.profiles),
-        lineage=lineage,
-        parity=ParityRecord(**vars(graph.onnx.parity)),
-    )
+    return package_engine(target, write_engine, build, graph, tokenizer_dir, lineage, params.profiles)
 
 
 def tensorrt_version() -> str:
