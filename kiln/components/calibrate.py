@@ -189,9 +189,11 @@ def plot_lengths(pool: list[int], curated: list[int], buckets: list[Bucket], pat
     figure, axes = plt.subplots(figsize=(7, 3.5))
     top = int(buckets[-1].high * 1.5)  # the profile's range and a margin; the long tail is counted, not drawn
     bins = np.linspace(0, top, 40)
-    longer = sum(1 for n in pool if n > top)
-    axes.hist([n for n in pool if n <= top], bins=bins, alpha=0.5, label=f"pool ({len(pool)}; {longer} longer than {top})", density=True, color="#4c72b0")
-    axes.hist(curated, bins=bins, alpha=0.6, label=f"curated ({len(curated)})", density=True, color="#dd8452")
+    shown = [n for n in pool if n <= top]
+    label = f"pool ({len(pool)}; {len(pool) - len(shown)} longer than {top})"
+    for values, name, colour in ((shown, label, "#4c72b0"), (curated, f"curated ({len(curated)})", "#dd8452")):
+        if values:  # a density of nothing divides by zero
+            axes.hist(values, bins=bins, alpha=0.55, label=name, density=True, color=colour)
     for bucket in buckets:
         axes.axvline(bucket.high, color="k", linewidth=0.6, linestyle=":")
     axes.set_title("calibration prompt lengths; dotted: bucket edges from the prompt profile", fontsize=9)

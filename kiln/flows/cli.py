@@ -128,23 +128,22 @@ def _print_report(report) -> None:
 
 
 def _print_result(result) -> None:
-    table = Table(title="engines built in this run")
-    for column in ("precision", "backend", "top-1 agreement", "ppl Δ %", "p50 ms", "p95 ms", "gates", "version"):
-        table.add_column(column, justify="right" if column not in ("precision", "backend", "gates") else "left")
+    backends = sorted({o.engine.manifest.backend for o in result.outcomes})
+    table = Table(title=f"engines built in this run ({', '.join(backends)})")
+    for column in ("precision", "top-1", "ppl Δ%", "p50 ms", "p95 ms", "gates", "version"):
+        table.add_column(column, justify="left" if column in ("precision", "gates", "version") else "right")
     for outcome in result.outcomes:
         quality, latency = outcome.report.gate("quality").measured, outcome.report.gate("latency").measured
         reg = outcome.registration
-        state = "new" if reg.created else "unchanged"
-        mark = "@challenger" if result.challenger is outcome else ""
+        alias = " @challenger" if result.challenger is outcome else ""
         table.add_row(
             outcome.precision,
-            outcome.engine.manifest.backend,
             f"{quality['top1_agreement']:.4f}",
             f"{quality['ppl_increase_pct']:+.3f}",
             f"{latency['p50_ms']:.1f}",
             f"{latency['p95_ms']:.1f}",
             "[green]passed[/]" if outcome.report.passed else "[red]FAILED[/]",
-            f"{reg.version} ({state}) {mark}",
+            f"{reg.version} {'new' if reg.created else 'unchanged'}{alias}",
         )
     console.print(table)
     for outcome in result.failed:
