@@ -69,6 +69,14 @@ def test_fp16_graph_keeps_layernorm_and_logits_in_fp32(fp16_graph):
     layernorm_scales = [n.input[1] for n in model.graph.node if n.op_type == "LayerNormalization"]
     values = initializers(fp16_graph.onnx.path)
     assert all(values[name].dtype == np.float32 for name in layernorm_scales if name in values)
+    produced_by = {o: n for n in model.graph.node for o in n.output}
+    lm_head = produced_by["logits"]
+    while lm_head.op_type in ("Identity", "Cast"):  # the output leaf and any cast before it
+        lm_head = produced_by[lm_head.input[0]]
+    assert lm_head.op_type in ("MatMul", "Gemm")
+    for name in lm_head.input:
+        source = produced_by.get(name)
+        assert source is None or source.op_type != "Cast" or next(a.i for a in source.attribute if a.name == "to") == onnx.TensorProto.FLOAT
 
 
 def test_fp16_and_int8_engines_pass_their_quality_limits(project, params, tiny_model, exported, data_version, calibration, reference, windows):

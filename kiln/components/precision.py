@@ -21,7 +21,7 @@ from kiln.errors import BuildError
 
 ONNX_FILE = "model.onnx"
 # Part of the output folder name: bump it when the conversion code changes its output.
-GRAPH_VERSION = "2"
+GRAPH_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -197,9 +197,15 @@ def fp16_onnx(source: Path, params: Fp16Params, output: Path) -> None:
     # rewrite every annotation, and a stale one fails the load. Shapes are re-inferred.
     del model.graph.value_info[:]
     _detach_graph_outputs(model)
+    logits_node = next(node.name for node in model.graph.node if "logits" in node.output or "logits.inner" in node.output)
     converted = float16.convert_float_to_float16(
-        model, keep_io_types=True, op_block_list=list(params.keep_fp32_op_types), disable_shape_infer=False
+        model,
+        keep_io_types=True,
+        op_block_list=list(params.keep_fp32_op_types),
+        node_block_list=[logits_node],  # the lm_head: logits are computed, not only returned, in fp32
+        disable_shape_infer=False,
     )
+    _drop_output_downcast(converted, "logits")
     onnx_lib.save(converted, str(output))
 
 
@@ -215,3 +221,19 @@ def _detach_graph_outputs(model) -> None:
         node.output[:] = [f"{o}.inner" if o in consumed else o for o in node.output]
         node.input[:] = [f"{i}.inner" if i in consumed else i for i in node.input]
     model.graph.node.extend(helper.make_node("Identity", [f"{o}.inner"], [o], name=f"{o}.leaf") for o in sorted(consumed))
+
+
+def _drop_output_downcast(model, output: str) -> None:
+    """The converter casts a blocked node's fp32 result to fp16 and declares the graph output
+    fp16, keep_io_types notwithstanding: hand the fp32 result to an fp32 output instead."""
+    from onnx import TensorProto
+
+    cast = next(node for node in model.graph.node if output in node.output)
+    to = next((a.i for a in cast.attribute if a.name == "to"), None)
+    if cast.op_type != "Cast" or to != TensorProto.FLOAT16:
+        return
+    producer = next(node for node in model.graph.node if cast.input[0] in node.output)
+    producer.output[:] = [output if name == cast.input[0] else name for name in producer.output]
+    model.graph.node.remove(cast)
+    declared = next(o for o in model.graph.output if o.name == output)
+    declared.type.tensor_type.elem_type = TensorProto.FLOAT

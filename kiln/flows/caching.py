@@ -18,7 +18,7 @@ from pydantic import BaseModel
 # Bump when a stage's code changes what it makes (and that stage's own folder version, such
 # as precision.GRAPH_VERSION): the keys miss, stages re-run, and only the changed stage,
 # whose folder name changed, rebuilds; the others find their outputs in place.
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"
 
 
 def content_key(task_name: str, parameters: dict[str, Any]) -> str:
