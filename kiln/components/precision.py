@@ -7,7 +7,10 @@ graph on the CPU, so its quality is measured here even where TensorRT is not ins
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import numpy as np
 from kiln.components.calibrate import CalibrationSet
 from kiln.components.export import ExportedOnnx
 from kiln.components.files import atomic_directory, file_sha256
+from kiln.components.progress import stage_progress
 from kiln.config import Fp16Params, Int8Params, PrecisionParams, section_digest
 from kiln.errors import BuildError
 
@@ -84,6 +88,7 @@ class CalibrationFeeds:
         self._prompts = calibration.prompts
         self._per_prompt = calibration.decode_steps + 1
         self._chain: tuple[int, list[dict[str, np.ndarray]]] = (-1, [])
+        self.on_feed: Callable[[], None] = lambda: None
         self.set_range(0, len(self))
 
     def __len__(self) -> int:
@@ -99,6 +104,7 @@ class CalibrationFeeds:
         self.set_range(0, len(self))
 
     def _feed(self, index: int) -> dict[str, np.ndarray]:
+        self.on_feed()
         prompt, step = divmod(index, self._per_prompt)
         if self._chain[0] != prompt:  # feeds are read in order: each chain is computed once
             self._chain = (prompt, self._prompt_feeds(np.array([self._prompts[prompt]], np.int64)))
@@ -127,7 +133,7 @@ def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8P
     """Static Q/DQ quantization: symmetric int8 activations and weights (TensorRT needs
     zero point 0), per-channel weights, sensitive nodes left in float."""
     import onnx as onnx_lib
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import CalibrationMethod
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     prepared = output.with_name("prepared.onnx")
@@ -138,17 +144,29 @@ def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8P
     quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False)
     model = onnx_lib.load(str(prepared))
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
+    feeds = CalibrationFeeds(onnx, calibration)
+    # The histogram collectors print a line per collection (one per feed here): keep stdout
+    # for the progress bar.
+    with stage_progress("int8 calibration", total=len(feeds)) as advance, contextlib.redirect_stdout(io.StringIO()):
+        feeds.on_feed = lambda: advance(1, "")
+        _quantize(prepared, output, feeds, params, methods[params.calibration_method], nodes_kept_float(model, params))
+    prepared.unlink()
+
+
+def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int8Params, method, kept_float: list[str]) -> None:
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
     quantize_static(
         str(prepared),
         str(output),
-        CalibrationFeeds(onnx, calibration),
+        feeds,
         quant_format=QuantFormat.QDQ,
         activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8,
         per_channel=params.per_channel,
         op_types_to_quantize=list(params.op_types),
-        calibrate_method=methods[params.calibration_method],
-        nodes_to_exclude=nodes_kept_float(model, params),
+        calibrate_method=method,
+        nodes_to_exclude=kept_float,
         extra_options={
             "ActivationSymmetric": True,
             "WeightSymmetric": True,
@@ -158,7 +176,6 @@ def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8P
             "CalibStridedMinMax": 1,  # one feed per collection: see CalibrationFeeds
         },
     )
-    prepared.unlink()
 
 
 def nodes_kept_float(model, params: Int8Params) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 Advance = Callable[[int, str], None]
@@ -21,7 +22,8 @@ def stage_progress(stage: str, total: int) -> Iterator[Advance]:
         TimeRemainingColumn(),
         TextColumn("{task.fields[status]}"),
     )
-    with Progress(*columns, transient=False) as progress:
+    # stderr, like every progress display: stdout stays for results (and can be redirected).
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
         task = progress.add_task(stage, total=total, status="")
 
         def advance(steps: int, status: str = "") -> None:
