@@ -13,7 +13,7 @@ import numpy as np
 from kiln.components.engines.base import Engine, EngineTokenizer, Sampling
 from kiln.components.progress import stage_progress
 from kiln.config import GateParams, LatencyGateParams, QualityGateParams, QualityLimits
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def eval_windows(tokenizer: EngineTokenizer, texts: list[str], params: QualityGa
             break
     usable = len(stream) // params.sequence_length
     if usable == 0:
-        raise ValueError(f"the eval split has {len(stream)} tokens, fewer than one window of {params.sequence_length}")
+        raise DataError(f"the eval split has {len(stream)} tokens, fewer than one window of {params.sequence_length}")
     windows = np.array(stream[: usable * params.sequence_length], np.int64).reshape(usable, params.sequence_length)
     return windows[: params.sequences]
 
@@ -187,7 +187,7 @@ def latency_gate(engine: Engine, prompt: list[int], params: LatencyGateParams) -
 def latency_prompt(windows: np.ndarray, length: int) -> list[int]:
     flat = windows.ravel()
     if len(flat) < length:
-        raise ValueError(f"need {length} prompt tokens for the latency gate, the eval windows hold {len(flat)}")
+        raise DataError(f"need {length} prompt tokens for the latency gate, the eval windows hold {len(flat)}")
     return flat[:length].tolist()
 
 
