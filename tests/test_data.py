@@ -79,3 +79,29 @@ def test_a_glob_that_matches_nothing_is_a_data_error(project):
 def test_a_folder_that_is_not_a_dvc_repository_is_named(tmp_path):
     with pytest.raises(DataError, match="not a DVC repository"):
         data_version_from_source(DataParams(), tmp_path)
+
+
+def test_a_hugging_face_dataset_source_reads_a_local_dataset_folder(tmp_path):
+    import datasets
+
+    from kiln.config import HFDatasetSource
+
+    folder = tmp_path / "hub-like"
+    folder.mkdir()
+    rows = [f"passage number {i} about the data model and its many methods" for i in range(5)]
+    datasets.Dataset.from_dict({"body": rows}).to_parquet(str(folder / "train.parquet"))
+    source = HFDatasetSource(kind="hf-dataset", name=str(folder), split="train", text_field="body")
+    assert list(documents_from_source(source, tmp_path)) == rows
+
+
+def test_a_missing_text_field_names_the_fields_there_are(tmp_path):
+    import datasets
+
+    from kiln.config import HFDatasetSource
+
+    folder = tmp_path / "hub-like"
+    folder.mkdir()
+    datasets.Dataset.from_dict({"body": ["x"]}).to_parquet(str(folder / "train.parquet"))
+    source = HFDatasetSource(kind="hf-dataset", name=str(folder), text_field="text")
+    with pytest.raises(DataError, match=r"no field 'text'; fields: \['body'\]"):
+        list(documents_from_source(source, tmp_path))
