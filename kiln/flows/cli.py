@@ -59,26 +59,17 @@ def build(
     fresh: Annotated[bool, typer.Option(help="delete cached stage outputs and rebuild every stage")] = False,
 ) -> None:
     """The same flow from an existing model, without training."""
-    try:
-        params = _load(params_file)
-        if model is None and not params.model.pretrained:
-            raise KilnError("kiln build needs a model: pass --model DIR or set model.pretrained in params.yaml")
-        model_dir = model if model is not None else Path(params.model.pretrained)
-    except KilnError as err:
-        _fail(err)
-    _run_pipeline(params_file, model_dir=model_dir, fresh=fresh)
+    _run_pipeline(params_file, model_dir=model, fresh=fresh, from_model=True)
 
 
-def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool) -> None:
+def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool, from_model: bool = False) -> None:
+    """`from_model`: skip training, using `model_dir` or else params' model.pretrained."""
     root = Path.cwd()
     _prepare_environment(root)
     try:
         params = _load(params_file)
-        if model_dir is not None:
-            from kiln.components.train import check_model_directory
-
-            check_model_directory(model_dir.resolve())
-            model_dir = model_dir.resolve()
+        if from_model:
+            model_dir = _model_to_build(model_dir, params)
         if fresh:
             import shutil
 
@@ -96,6 +87,16 @@ def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool) -> Non
     except KilnError as err:
         _fail(err)
     _print_result(result)
+
+
+def _model_to_build(model_dir: Path | None, params) -> Path:
+    from kiln.components.train import check_model_directory
+
+    if model_dir is None and not params.model.pretrained:
+        raise KilnError("kiln build needs a model: pass --model DIR or set model.pretrained in params.yaml")
+    model_dir = (model_dir or Path(params.model.pretrained)).resolve()
+    check_model_directory(model_dir)
+    return model_dir
 
 
 class _NoKilnTracebacks(logging.Filter):

@@ -27,7 +27,7 @@ from kiln.config import GateParams, Params
 from kiln.errors import GateFailed
 from kiln.flows.caching import task_cache_key
 from kiln.flows.lineage import registry_target, run_record
-from kiln.registry import CHALLENGER, Registration, download_version, preflight, promote, register_engine
+from kiln.registry import CHALLENGER, Registration, RegistryTarget, download_version, preflight, promote, register_engine
 from kiln.workspace import Workspace
 
 
@@ -108,7 +108,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     if "int8" in params.precision.build:
         calibration = curate_calibration(data, model.path, params.build.profiles, params.calibration, workspace.stage_dir("calibration"))
     outcomes = tuple(
-        _engine_for(precision, params, model, onnx, data, calibration, workspace) for precision in params.precision.build
+        _engine_for(precision, params, model, onnx, data, calibration, workspace, target) for precision in params.precision.build
     )
     challenger = fastest_passing(outcomes)
     if challenger is not None:
@@ -129,13 +129,14 @@ def _engine_for(
     data: DataVersion,
     calibration: CalibrationSet | None,
     workspace: Workspace,
+    target: RegistryTarget,
 ) -> EngineOutcome:
     graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"))
     report, report_dir = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
     _publish_report(precision, report)
     record = run_record(params, model, onnx, engine, report, report_dir, calibration, git_commit(workspace.root))
-    registration = register(registry_target(params.registry, workspace), engine.path, engine.sha256, record)
+    registration = register(target, engine.path, engine.sha256, record)
     return EngineOutcome(precision, engine, report, registration)
 
 
