@@ -13,26 +13,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flows.environment import kiln_environment  # noqa: E402  (light: no prefect, no torch)
+
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="kiln-tests-"))
-os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
-os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
-os.environ["HF_HOME"] = str(_SESSION_HOME / "huggingface")
-os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.update(kiln_environment(_SESSION_HOME))
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach the Hub, even where it is reachable
 os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
-os.environ["XDG_CACHE_HOME"] = str(_SESSION_HOME / "cache")
-os.environ["XDG_CONFIG_HOME"] = str(_SESSION_HOME / "config")
-os.environ["MPLCONFIGDIR"] = str(_SESSION_HOME / "config" / "matplotlib")
-os.environ["DO_NOT_TRACK"] = "true"
-os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-os.environ["DVC_NO_ANALYTICS"] = "1"
 (_SESSION_HOME / "prefect").mkdir(parents=True, exist_ok=True)
 
 import pytest  # noqa: E402
 
-from kiln.config import (  # noqa: E402
+from components.config import (  # noqa: E402
     ArchitectureParams,
     DataParams,
     GateParams,
@@ -103,35 +94,35 @@ def params(project) -> Params:
 
 @pytest.fixture(scope="session")
 def data_version(project, params):
-    from kiln.components.data import data_version_from_source
+    from components.data import data_version_from_source
 
     return data_version_from_source(params.data, project)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(project, params, data_version):
-    from kiln.components.train import model_from_data
+    from components.train import model_from_data
 
     return model_from_data(data_version, params.model, project / "models")
 
 
 @pytest.fixture(scope="session")
 def exported(project, params, tiny_model):
-    from kiln.components.export import onnx_from_model
+    from components.export import onnx_from_model
 
     return onnx_from_model(tiny_model, params.export, project / "onnx")
 
 
 @pytest.fixture(scope="session")
 def calibration(project, params, tiny_model, data_version):
-    from kiln.components.calibrate import calibration_set_from_pool
+    from components.calibrate import calibration_set_from_pool
 
     return calibration_set_from_pool(data_version, tiny_model.path, params.build.profiles, params.calibration, project / "calibration")
 
 
 def build_engine(project, params, tiny_model, exported, data_version, precision="fp32", calibration=None):
-    from kiln.components.build import engine_from_onnx
-    from kiln.components.precision import precision_onnx
+    from components.build import engine_from_onnx
+    from components.precision import precision_onnx
 
     graph = precision_onnx(exported, precision, calibration, params.precision, project / "precision")
     return engine_from_onnx(graph, tiny_model, data_version, params.build, project / "engines")
@@ -144,14 +135,14 @@ def engine_dir(project, params, tiny_model, exported, data_version):
 
 @pytest.fixture(scope="session")
 def engine(engine_dir):
-    from kiln.components.engines import load_engine
+    from components.runtime import load_engine
 
     return load_engine(engine_dir.path)
 
 
 @pytest.fixture(scope="session")
 def reference(tiny_model):
-    from kiln.components.train import load_model
+    from components.model_dir import load_model
 
     return load_model(tiny_model.path)
 
@@ -159,6 +150,6 @@ def reference(tiny_model):
 @pytest.fixture()
 def registry_target(tmp_path):
     """A fresh MLflow store on temporary SQLite with local artifacts."""
-    from kiln.registry import RegistryTarget
+    from registry import RegistryTarget
 
     return RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test", "kiln-test", tmp_path / "artifacts")

@@ -2,7 +2,7 @@
 
 import json
 
-from kiln.components import benchmark as bm
+from flows import bench as bm
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
 
@@ -26,7 +26,7 @@ def test_the_benchmark_times_hf_and_kiln_engines_and_writes_the_json_rows(tmp_pa
 
 
 def test_the_benchmark_engines_are_what_the_pipeline_builds(tmp_path):
-    from kiln.components.engine_dir import load_engine_dir
+    from components.engine_dir import load_engine_dir
 
     setup = bm.BenchSetup(calibration_prompts=2)
     _, engines = bm.benchmark_engines(tmp_path, ["int8"], setup, TINY)

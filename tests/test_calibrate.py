@@ -2,13 +2,13 @@
 
 import json
 
-from kiln.components.calibrate import (
+from components.calibrate import (
     buckets_from_profile,
     calibration_set_from_pool,
     drop_near_duplicates,
     stratified_prompts,
 )
-from kiln.config import CalibrationParams, ShapeRange
+from components.config import CalibrationParams, ShapeRange
 
 
 def test_buckets_follow_the_prompt_profile_with_an_edge_at_opt():

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from kiln.flows.cli import app
+from flows.cli import app
 
 from .conftest import make_project, tiny_params
 

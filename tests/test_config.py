@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import Params, load_params
-from kiln.errors import ConfigError
+from components.config import Params, load_params
+from components.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,12 @@ def test_the_shipped_params_file_is_valid_and_trains_from_scratch_on_cpython_doc
     assert params.model.pretrained is None
     assert params.build.backend == "auto"
     assert params.precision.build == ["fp32", "int8"]
+
+
+def test_the_shipped_params_file_states_exactly_the_defaults():
+    # params.yaml documents every parameter; the defaults in config.py are the same facts,
+    # so an edit to one without the other is a failing test, not a silent drift.
+    assert load_params(REPO / "params.yaml") == Params()
 
 
 def test_an_empty_file_means_every_default(tmp_path):

@@ -4,7 +4,8 @@ import subprocess
 
 import pytest
 
-from kiln.components.data import (
+from components.config import CPythonDocsSource, DataParams, TextFilesSource
+from components.data import (
     DataVersion,
     clean_documents,
     data_version_from_source,
@@ -12,8 +13,7 @@ from kiln.components.data import (
     dvc_md5,
     split_of,
 )
-from kiln.config import CPythonDocsSource, DataParams, TextFilesSource
-from kiln.errors import DataError
+from components.errors import DataError
 
 from .conftest import DVC
 
@@ -84,7 +84,7 @@ def test_a_folder_that_is_not_a_dvc_repository_is_named(tmp_path):
 def test_a_hugging_face_dataset_source_reads_a_local_dataset_folder(tmp_path):
     import datasets
 
-    from kiln.config import HFDatasetSource
+    from components.config import HFDatasetSource
 
     folder = tmp_path / "hub-like"
     folder.mkdir()
@@ -97,7 +97,7 @@ def test_a_hugging_face_dataset_source_reads_a_local_dataset_folder(tmp_path):
 def test_a_missing_text_field_names_the_fields_there_are(tmp_path):
     import datasets
 
-    from kiln.config import HFDatasetSource
+    from components.config import HFDatasetSource
 
     folder = tmp_path / "hub-like"
     folder.mkdir()

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.components.engine_dir import load_engine_dir
-from kiln.components.engines import load_engine
-from kiln.components.engines.base import EngineTokenizer, Sampling, ShapeOutOfProfile
-from kiln.components.files import file_sha256
-from kiln.errors import BuildError
+from components.engine_dir import load_engine_dir
+from components.errors import EngineError, ShapeOutOfProfile
+from components.files import file_sha256
+from components.runtime import load_engine
+from components.runtime.sampling import Sampling
+from components.runtime.tokenizer import EngineTokenizer
 
 
 def test_engine_json_records_identity_profiles_and_lineage(engine_dir, tiny_model, exported, data_version):
@@ -75,12 +76,12 @@ def test_a_corrupt_engine_file_is_refused_before_loading(tmp_path, engine_dir):
     data = bytearray((copy / "model.onnx").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (copy / "model.onnx").write_bytes(bytes(data))
-    with pytest.raises(BuildError, match="is corrupt: sha256"):
+    with pytest.raises(EngineError, match="is corrupt: sha256"):
         load_engine(copy)
 
 
 def test_a_folder_without_engine_json_is_not_an_engine(tmp_path):
-    with pytest.raises(BuildError, match="no engine.json"):
+    with pytest.raises(EngineError, match="no engine.json"):
         load_engine_dir(tmp_path)
 
 
@@ -88,7 +89,7 @@ def test_a_malformed_engine_json_is_named(tmp_path, engine_dir):
     copy = tmp_path / "engine"
     shutil.copytree(engine_dir.path, copy)
     (copy / "engine.json").write_text('{"backend": "onnxruntime"}')
-    with pytest.raises(BuildError, match="not a valid engine manifest"):
+    with pytest.raises(EngineError, match="not a valid engine manifest"):
         load_engine_dir(copy)
 
 

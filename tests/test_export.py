@@ -3,9 +3,9 @@
 import onnx
 import pytest
 
-from kiln.components.export import onnx_from_model
-from kiln.config import ExportParams
-from kiln.errors import ExportError
+from components.config import ExportParams
+from components.errors import ExportError
+from components.export import onnx_from_model
 
 
 def test_the_graph_takes_and_returns_the_kv_cache(exported):

@@ -3,13 +3,11 @@
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from kiln.components.data import dvc_md5
-from kiln.config import GateParams, LatencyGateParams, QualityGateParams
-from kiln.errors import GateFailed
-from kiln.flows.lineage import registry_target
-from kiln.flows.pipeline import retrain_and_rebuild
-from kiln.registry import CHALLENGER, resolve_alias
-from kiln.workspace import Workspace
+from components.config import GateParams, LatencyGateParams, QualityGateParams
+from components.data import dvc_md5
+from components.errors import GateFailed
+from flows.pipeline import retrain_and_rebuild
+from registry import CHALLENGER, registry_target, resolve_alias
 
 from .conftest import make_project, tiny_params
 
@@ -36,7 +34,7 @@ def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
     assert first.challenger.report.passed
     assert first.sample.startswith(params.sample.prompt) and len(first.sample) > len(params.sample.prompt)
 
-    info = resolve_alias(registry_target(params.registry, Workspace(flow_project)), CHALLENGER)
+    info = resolve_alias(registry_target(params.registry, flow_project), CHALLENGER)
     assert info.tags["data_md5"] == dvc_md5(flow_project / "data.dvc")
     assert info.version == registration.version
     assert info.tags["engine_sha256"] == first.challenger.engine.sha256
@@ -60,16 +58,16 @@ def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_
     )
     with pytest.raises(GateFailed, match=r"gates failed for fp32 \(version 1\): latency: p95_ms .* \(limit <= 1e-06\)"):
         retrain_and_rebuild(params, flow_project)
-    from kiln.errors import RegistryError
+    from components.errors import RegistryError
 
     with pytest.raises(RegistryError):
-        resolve_alias(registry_target(params.registry, Workspace(flow_project)), CHALLENGER)
+        resolve_alias(registry_target(params.registry, flow_project), CHALLENGER)
 
 
 def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_that_passed(flow_project):
     from mlflow import MlflowClient
 
-    from kiln.config import PrecisionParams
+    from components.config import PrecisionParams
 
     base = tiny_params(flow_project)
     params = base.model_copy(
@@ -84,7 +82,7 @@ def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_th
     fastest = min(result.outcomes, key=lambda o: o.report.gate("latency").measured["p50_ms"])
     assert result.challenger is fastest
 
-    target = registry_target(params.registry, Workspace(flow_project))
+    target = registry_target(params.registry, flow_project)
     assert resolve_alias(target, CHALLENGER).version == fastest.registration.version
     client = MlflowClient(target.tracking_uri)
     int8 = next(o for o in result.outcomes if o.precision == "int8")

@@ -4,10 +4,12 @@ import json
 
 import numpy as np
 import pytest
-from kiln.components.engines.base import Engine, EngineTokenizer
-from kiln.components.gates import eval_windows, gate_report, latency_gate, quality_gate, write_report
-from kiln.components.metrics import load_metric
-from kiln.config import LatencyGateParams, QualityGateParams, QualityLimits
+
+from components.config import LatencyGateParams, QualityGateParams, QualityLimits
+from components.gates import eval_windows, gate_report, latency_gate, quality_gate, write_report
+from components.metrics import load_metric
+from components.runtime.engine import Engine
+from components.runtime.tokenizer import EngineTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from kiln.components.engines import load_engine
-from kiln.components.engines.base import EngineTokenizer
-from kiln.components.gates import eval_windows, quality_gate
-from kiln.components.precision import nodes_kept_float, precision_onnx
-from kiln.config import Int8Params, KeepFloatParams, PrecisionParams
+from components.config import Int8Params, KeepFloatParams, PrecisionParams
+from components.gates import eval_windows, quality_gate
+from components.precision import nodes_kept_float, precision_onnx
+from components.runtime import load_engine
+from components.runtime.tokenizer import EngineTokenizer
 
 from .conftest import build_engine
 
@@ -88,7 +88,7 @@ def test_fp16_and_int8_engines_pass_their_quality_limits(project, params, tiny_m
 
 
 def int8_quality(name, settings, calibration, project, params, tiny_model, exported, data_version, reference, windows):
-    from kiln.components.build import engine_from_onnx
+    from components.build import engine_from_onnx
 
     graph = precision_onnx(exported, "int8", calibration, settings, project / f"precision-{name}")
     engine_dir = engine_from_onnx(graph, tiny_model, data_version, params.build, project / f"engines-{name}")

@@ -3,12 +3,13 @@
 import pytest
 from mlflow import MlflowClient
 
-from kiln.components.files import file_sha256
-from kiln.errors import RegistryError
-from kiln.registry import (
+from components.errors import RegistryError
+from components.files import file_sha256
+from registry import (
     CHALLENGER,
     CHAMPION,
     RegistryTarget,
+    RunRecord,
     download_version,
     find_version_by_sha256,
     preflight,
@@ -16,7 +17,6 @@ from kiln.registry import (
     register_engine,
     resolve_alias,
 )
-from kiln.registry.store import RunRecord
 
 
 def record(passed: bool = True, **tags) -> RunRecord:

@@ -4,11 +4,12 @@ running an engine needs TensorRT and an NVIDIA GPU (marked, skipped elsewhere)."
 import pytest
 from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath
 
-from kiln.components.engines.availability import tensorrt_ready
-from kiln.components.engines.tensorrt import MIB, check_compatible, polygraphy_loaders, trt_build_plan
-from kiln.components.precision import precision_onnx
-from kiln.config import TensorRTParams
-from kiln.errors import BackendUnavailable
+from components.build.tensorrt import MIB, polygraphy_loaders, trt_build_plan
+from components.config import TensorRTParams
+from components.errors import BackendUnavailable
+from components.precision import precision_onnx
+from components.runtime.availability import tensorrt_ready
+from components.runtime.tensorrt import check_compatible
 
 TRT_READY, TRT_MISSING = tensorrt_ready()
 needs_tensorrt = pytest.mark.skipif(not TRT_READY, reason=f"TensorRT cannot run here: {TRT_MISSING}")
@@ -71,7 +72,7 @@ def test_an_engine_from_another_tensorrt_or_gpu_is_refused_naming_both(engine_di
 
 
 def test_asking_for_tensorrt_where_it_cannot_run_says_why():
-    from kiln.components.build import resolve_backend
+    from components.build import resolve_backend
 
     if TRT_READY:
         pytest.skip("TensorRT runs here")
@@ -86,9 +87,9 @@ def test_asking_for_tensorrt_where_it_cannot_run_says_why():
 def test_a_tensorrt_engine_generates_like_onnx_runtime_and_passes_its_gate(
     precision, project, params, tiny_model, exported, data_version, calibration, engine, reference
 ):
-    from kiln.components.build import engine_from_onnx
-    from kiln.components.engines import load_engine
-    from kiln.components.engines.base import Sampling
+    from components.build import engine_from_onnx
+    from components.runtime import load_engine
+    from components.runtime.sampling import Sampling
 
     graph = precision_onnx(exported, precision, calibration, params.precision, project / "precision")
     build = params.build.model_copy(update={"backend": "tensorrt"})
@@ -99,8 +100,8 @@ def test_a_tensorrt_engine_generates_like_onnx_runtime_and_passes_its_gate(
     prompt = [[5, 17, 42, 8]]
     if precision == "fp32":
         assert trt_engine.generate(prompt, greedy) == engine.generate(prompt, greedy)
-    from kiln.components.engines.base import EngineTokenizer
-    from kiln.components.gates import eval_windows, quality_gate
+    from components.gates import eval_windows, quality_gate
+    from components.runtime.tokenizer import EngineTokenizer
 
     windows = eval_windows(EngineTokenizer(built.path), data_version.texts("eval"), params.gates.quality)
     assert quality_gate(trt_engine, reference, windows, params.gates.quality).passed

@@ -4,9 +4,10 @@ import shutil
 
 import pytest
 
-from kiln.components.train import load_model, model_from_data, model_from_directory
-from kiln.config import ModelParams, TrainingParams
-from kiln.errors import TrainError
+from components.config import ModelParams, TrainingParams
+from components.errors import TrainError
+from components.model_dir import load_model, model_from_directory
+from components.train import model_from_data
 
 
 def test_the_trained_model_beats_a_uniform_guess(tiny_model):

@@ -1,0 +1,290 @@
+"""Typed configuration: params.yaml is read once, at the entry point, into `Params`.
+
+Every section forbids unknown keys, so a typo in params.yaml is an error that names the
+key instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from components.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- data sources
+
+
+class CPythonDocsSource(_Section):
+    """The default corpus: CPython's bundled pydoc topics and stdlib docstrings (offline)."""
+
+    kind: Literal["cpython-docs"] = "cpython-docs"
+
+
+class TextFilesSource(_Section):
+    """Local text files matched by a glob, relative to the project root."""
+
+    kind: Literal["text-files"]
+    glob: str
+
+
+class HFDatasetSource(_Section):
+    """A Hugging Face dataset (local path or hub id where the hub is reachable)."""
+
+    kind: Literal["hf-dataset"]
+    name: str
+    split: str = "train"
+    text_field: str = "text"
+
+
+CorpusSource = Annotated[
+    CPythonDocsSource | TextFilesSource | HFDatasetSource, Field(discriminator="kind")
+]
+
+
+class SplitParams(_Section):
+    eval_fraction: float = Field(0.05, gt=0, lt=0.5)
+    calibration_fraction: float = Field(0.05, gt=0, lt=0.5)
+
+
+class DataParams(_Section):
+    source: CorpusSource = CPythonDocsSource()
+    path: str = "data"
+    min_chars: int = Field(64, ge=1)
+    max_chars: int = Field(4000, ge=16)
+    split: SplitParams = SplitParams()
+    dvc_push: bool = True
+
+
+# ---------------------------------------------------------------- model
+
+
+class TokenizerParams(_Section):
+    vocab_size: int = Field(4096, ge=300)
+    min_frequency: int = Field(2, ge=1)
+
+
+class ArchitectureParams(_Section):
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_embd: int = Field(128, ge=8)
+    n_positions: int = Field(256, ge=16)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ArchitectureParams:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        return self
+
+
+class TrainingParams(_Section):
+    steps: int = Field(1200, ge=0)
+    batch_size: int = Field(16, ge=1)
+    block_size: int = Field(128, ge=8)
+    learning_rate: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(100, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    eval_batches: int = Field(20, ge=1)
+    seed: int = 0
+    threads: int | None = Field(None, ge=1)
+
+
+class ModelParams(_Section):
+    # None: train a tokenizer and a GPT-2 from scratch. A path or hub id: start from that
+    # model; with training.steps > 0 it is fine-tuned, with 0 it is used as is.
+    pretrained: str | None = None
+    tokenizer: TokenizerParams = TokenizerParams()
+    architecture: ArchitectureParams = ArchitectureParams()
+    training: TrainingParams = TrainingParams()
+
+
+# ---------------------------------------------------------------- export / build
+
+
+class ExportParams(_Section):
+    opset: int = Field(18, ge=17)
+    parity_tolerance: float = Field(1e-4, gt=0)
+
+
+class ShapeRange(_Section):
+    """min / opt / max of one dynamic dimension in an optimization profile."""
+
+    min: int = Field(ge=0)
+    opt: int = Field(ge=0)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ShapeRange:
+        if not self.min <= self.opt <= self.max:
+            raise ValueError(f"need min <= opt <= max, got {self.min}, {self.opt}, {self.max}")
+        return self
+
+
+class ProfileParams(_Section):
+    batch: ShapeRange = ShapeRange(min=1, opt=1, max=8)
+    prompt: ShapeRange = ShapeRange(min=1, opt=32, max=128)
+    # Total context (past + new tokens) in the generation phase.
+    context: ShapeRange = ShapeRange(min=2, opt=64, max=256)
+
+
+Precision = Literal["fp32", "fp16", "int8"]
+
+
+class KeepFloatParams(_Section):
+    """Nodes left in float when the rest of the graph is quantized."""
+
+    op_types: list[str] = ["LayerNormalization", "Softmax"]
+    name_patterns: list[str] = []  # regular expressions matched against node names
+    attention_scores: bool = True  # the activation × activation MatMuls (Q·Kᵀ, attn·V)
+
+
+class Int8Params(_Section):
+    # The linear layers hold the weights (and the time); quantizing residual Adds, embedding
+    # Gathers or reshapes costs quality and buys no int8 kernel.
+    op_types: list[str] = ["MatMul", "Gemm"]
+    calibration_method: Literal["minmax", "entropy", "percentile"] = "percentile"
+    per_channel: bool = True
+    keep_float: KeepFloatParams = KeepFloatParams()
+
+
+class Fp16Params(_Section):
+    keep_fp32_op_types: list[str] = ["LayerNormalization", "Softmax"]
+
+
+class PrecisionParams(_Section):
+    build: list[Precision] = Field(default_factory=lambda: ["fp32", "int8"], min_length=1)
+    int8: Int8Params = Int8Params()
+    fp16: Fp16Params = Fp16Params()
+
+
+class CalibrationParams(_Section):
+    samples: int = Field(128, ge=1)
+    buckets: int = Field(4, ge=1)
+    decode_steps: int = Field(4, ge=0)  # decode-step feeds with a real past, per prompt
+    near_duplicate_threshold: float = Field(0.8, gt=0, le=1)  # MinHash Jaccard estimate
+    seed: int = 0
+
+
+class TensorRTParams(_Section):
+    workspace_mib: int = Field(4096, ge=64)
+    optimization_level: int = Field(3, ge=0, le=5)
+    timing_cache: str = ".kiln/tensorrt/timing.cache"  # reused across builds
+
+
+class BuildParams(_Section):
+    # auto: TensorRT where it imports and an NVIDIA GPU is present, else ONNX Runtime.
+    backend: Literal["auto", "onnxruntime", "tensorrt"] = "auto"
+    profiles: ProfileParams = ProfileParams()
+    threads: int | None = Field(None, ge=1)
+    tensorrt: TensorRTParams = TensorRTParams()
+
+
+# ---------------------------------------------------------------- gates
+
+
+class QualityLimits(_Section):
+    min_top1_agreement: float = Field(ge=0, le=1)
+    max_ppl_increase_pct: float = Field(ge=0)
+
+
+class QualityGateParams(_Section):
+    sequences: int = Field(32, ge=1)
+    sequence_length: int = Field(64, ge=2)
+    # Per precision: fp32 must match its reference; int8 may lose a little (TensorRT
+    # deployments report < 2 % BLEU/ROUGE change for int8: we hold perplexity to that).
+    limits: dict[Precision, QualityLimits] = {
+        "fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=1.0),
+        "fp16": QualityLimits(min_top1_agreement=0.98, max_ppl_increase_pct=1.5),
+        "int8": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0),
+    }
+
+
+class LatencyGateParams(_Section):
+    prompt_tokens: int = Field(32, ge=1)
+    new_tokens: int = Field(32, ge=1)
+    warmup: int = Field(2, ge=0)
+    runs: int = Field(10, ge=2)
+    max_p95_ms: float = Field(500.0, gt=0)  # the default model takes ~10 ms; this catches a broken build
+
+
+class GateParams(_Section):
+    quality: QualityGateParams = QualityGateParams()
+    latency: LatencyGateParams = LatencyGateParams()
+
+
+# ---------------------------------------------------------------- registry / sample
+
+
+class RegistryParams(_Section):
+    # None: an embedded SQLite store and local artifacts under mlruns/ in the project.
+    tracking_uri: str | None = None
+    model_name: str = Field("kiln-gpt2", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    experiment: str = "kiln"
+
+
+class SampleParams(_Section):
+    """The completion `kiln run` prints from the registered engine (seeded: reproducible)."""
+
+    prompt: str = "The list type"
+    max_tokens: int = Field(40, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    seed: int = 0
+
+
+class Params(_Section):
+    data: DataParams = DataParams()
+    model: ModelParams = ModelParams()
+    export: ExportParams = ExportParams()
+    calibration: CalibrationParams = CalibrationParams()
+    precision: PrecisionParams = PrecisionParams()
+    build: BuildParams = BuildParams()
+    gates: GateParams = GateParams()
+    registry: RegistryParams = RegistryParams()
+    sample: SampleParams = SampleParams()
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of every parameter (the `params_sha256` tag)."""
+        return section_digest(self)
+
+
+def section_digest(section: BaseModel) -> str:
+    """sha256 of a section's canonical JSON: the cache key of the stages it drives."""
+    canonical = json.dumps(section.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def load_params(path: Path) -> Params:
+    """Read and validate params.yaml; every problem is a ConfigError naming file and key."""
+    if not path.is_file():
+        raise ConfigError(f"params file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}".replace("\n", " ")) from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, found {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(f"{path}: {_describe(err)}") from err
+
+
+def _describe(err: ValidationError) -> str:
+    return "; ".join(_describe_one(e) for e in err.errors())
+
+
+def _describe_one(error: dict) -> str:
+    where = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown key"
+    return f"{where}: {error['msg']} (got {error.get('input')!r})"

@@ -1,0 +1,127 @@
+"""The engine directory contract: engine file, tokenizer files and `engine.json`.
+
+The serving side needs nothing but this folder; loading one checks it is what it says.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from components.errors import EngineError
+from components.files import file_sha256
+
+MANIFEST = "engine.json"
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DimRange(_Frozen):
+    min: int
+    opt: int
+    max: int
+
+    def admits(self, value: int) -> bool:
+        return self.min <= value <= self.max
+
+
+class ShapeProfile(_Frozen):
+    """One optimization profile: ranges of batch, new tokens per call, and past length."""
+
+    batch: DimRange
+    sequence: DimRange
+    past: DimRange
+
+
+class Lineage(_Frozen):
+    source_model_path: str
+    source_model_sha256: str
+    onnx_sha256: str  # the fp32 export
+    # The graph the engine was built from; absent in engines made before precisions
+    # existed, which were built from the fp32 export itself.
+    precision_onnx_sha256: str | None = None
+    data_md5: str
+    calibration_digest: str | None = None
+
+
+class ParityRecord(_Frozen):
+    prefill_max_abs_diff: float
+    decode_max_abs_diff: float
+    tolerance: float
+
+
+class EngineManifest(_Frozen):
+    format_version: int = FORMAT_VERSION
+    backend: str
+    backend_version: str
+    precision: str
+    target: str
+    opset: int
+    engine_file: str
+    engine_sha256: str
+    inputs: list[str]
+    outputs: list[str]
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    eos_token_id: int
+    profiles: dict[str, ShapeProfile]
+    lineage: Lineage
+    parity: ParityRecord
+
+    @property
+    def past_names(self) -> list[str]:
+        return self.inputs[3:]
+
+
+@dataclass(frozen=True)
+class EngineDir:
+    path: Path
+    manifest: EngineManifest
+
+    @property
+    def engine_file(self) -> Path:
+        return self.path / self.manifest.engine_file
+
+    @property
+    def sha256(self) -> str:
+        return self.manifest.engine_sha256
+
+    @property
+    def content_digest(self) -> str:
+        return self.sha256
+
+
+def write_manifest(path: Path, manifest: EngineManifest) -> None:
+    (path / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+
+
+def load_engine_dir(path: Path) -> EngineDir:
+    """Read an engine directory and verify it: manifest valid, files present, sha256 matches."""
+    if not (path / MANIFEST).is_file():
+        raise EngineError(f"{path} is not an engine directory: no {MANIFEST}")
+    try:
+        manifest = EngineManifest.model_validate(json.loads((path / MANIFEST).read_text()))
+    except (ValueError, ValidationError) as err:
+        raise EngineError(f"{path / MANIFEST} is not a valid engine manifest: {err}".replace("\n", " ")) from err
+    if manifest.format_version != FORMAT_VERSION:
+        raise EngineError(f"{path}: engine format {manifest.format_version}, this kiln reads {FORMAT_VERSION}")
+    engine = EngineDir(path=path, manifest=manifest)
+    missing = [name for name in (manifest.engine_file, *TOKENIZER_FILES) if not (path / name).is_file()]
+    if missing:
+        raise EngineError(f"engine directory {path} lacks {', '.join(missing)}")
+    actual = file_sha256(engine.engine_file)
+    if actual != manifest.engine_sha256:
+        raise EngineError(
+            f"engine file {engine.engine_file} is corrupt: sha256 {actual[:12]}…, engine.json says {manifest.engine_sha256[:12]}…"
+        )
+    return engine

@@ -1,0 +1,210 @@
+"""The export stage: a GPT-2 model directory → ONNX with past key values, checked against
+PyTorch on a left-padded prompt (empty past) and on decode steps (with past)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.config import ExportParams, section_digest
+from components.errors import ExportError
+from components.files import file_sha256, stage_output
+from components.model_dir import TrainedModel, load_model
+
+ONNX_FILE = "model.onnx"
+# Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
+# this stage's code changes what it makes, and only this stage and those after it rebuild.
+STAGE_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shapes of the KV cache: past/present tensors are (batch, heads, length, head_dim)."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+
+    @property
+    def input_names(self) -> list[str]:
+        return ["input_ids", "attention_mask", "position_ids"] + self.past_names
+
+    @property
+    def output_names(self) -> list[str]:
+        return ["logits"] + [f"present.{i}.{kind}" for i in range(self.num_layers) for kind in ("key", "value")]
+
+    @property
+    def past_names(self) -> list[str]:
+        return [f"past_key_values.{i}.{kind}" for i in range(self.num_layers) for kind in ("key", "value")]
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Max |logits(ONNX Runtime) - logits(PyTorch)| over real (unpadded) positions."""
+
+    prefill_max_abs_diff: float
+    decode_max_abs_diff: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return max(self.prefill_max_abs_diff, self.decode_max_abs_diff) <= self.tolerance
+
+
+@dataclass(frozen=True)
+class ExportedOnnx:
+    path: Path
+    sha256: str
+    opset: int
+    layout: KVLayout
+    parity: Parity
+
+    @property
+    def content_digest(self) -> str:
+        return self.sha256
+
+
+def kv_layout_of(config) -> KVLayout:
+    return KVLayout(
+        num_layers=config.n_layer,
+        num_heads=config.n_head,
+        head_dim=config.n_embd // config.n_head,
+        vocab_size=config.vocab_size,
+        max_positions=config.n_positions,
+    )
+
+
+def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -> ExportedOnnx:
+    """Export with a KV cache (dynamic batch, sequence and past length) and check parity."""
+    torch_model = load_model(model.path)
+    layout = kv_layout_of(torch_model.config)
+    build = lambda staging: _export(torch_model, layout, params.opset, staging / ONNX_FILE)  # noqa: E731
+    target = stage_output(out_root / f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{model.sha256[:12]}", ONNX_FILE, build)
+    parity = parity_against_torch(torch_model, target / ONNX_FILE, layout, params.parity_tolerance)
+    if not parity.passed:
+        raise ExportError(
+            f"ONNX export of {model.path} misses parity with PyTorch: max |Δlogits| "
+            f"prefill {parity.prefill_max_abs_diff:.3g}, decode {parity.decode_max_abs_diff:.3g}, "
+            f"tolerance {parity.tolerance:g} (off by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) - parity.tolerance:.3g})"
+        )
+    return ExportedOnnx(path=target / ONNX_FILE, sha256=file_sha256(target / ONNX_FILE), opset=params.opset, layout=layout, parity=parity)
+
+
+def _kv_wrapper(model):
+    """transformers 5 takes the cache as a DynamicCache; ONNX wants flat tensors in and out."""
+    import torch
+    from transformers import DynamicCache
+
+    class FlatKVCausalLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+            cache = DynamicCache(ddp_cache_data=pairs, config=self.model.config)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+            present = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            return (out.logits, *present)
+
+    return FlatKVCausalLM().eval()
+
+
+def _export(model, layout: KVLayout, opset: int, path: Path) -> None:
+    import torch
+    from torch.export import Dim
+
+    batch, sequence, past, total = Dim("batch"), Dim("sequence"), Dim("past_sequence"), Dim("total_sequence")
+    example = _example_inputs(layout, batch=2, sequence=3, past=2)
+    shapes = (
+        {0: batch, 1: sequence},
+        {0: batch, 1: total},  # torch.export derives total = past + sequence from the graph
+        {0: batch, 1: sequence},
+        tuple({0: batch, 2: past} for _ in layout.past_names),
+    )
+    try:
+        with torch.no_grad(), _quiet_exporter():
+            torch.onnx.export(
+                _kv_wrapper(model),
+                tuple(example),  # flat; torch groups the KV tensors as forward's *past
+                str(path),
+                input_names=layout.input_names,
+                output_names=layout.output_names,
+                dynamic_shapes=shapes,
+                opset_version=opset,
+                external_data=False,  # one file: its sha256 is the engine's identity
+                dynamo=True,
+                verbose=False,
+            )
+    except Exception as err:  # torch.export raises a zoo of types; all mean "export failed"
+        raise ExportError(f"torch.onnx.export of the model failed: {type(err).__name__}: {err}") from err
+
+
+@contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The dynamo exporter warns about torchvision, pytree and axis renaming on every export."""
+    import logging
+
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _example_inputs(layout: KVLayout, batch: int, sequence: int, past: int) -> list:
+    import torch
+
+    ids = torch.randint(0, layout.vocab_size, (batch, sequence))
+    mask = torch.ones(batch, past + sequence, dtype=torch.long)
+    positions = torch.arange(past, past + sequence).expand(batch, sequence)
+    kv = [torch.randn(batch, layout.num_heads, past, layout.head_dim) for _ in layout.past_names]
+    return [ids, mask, positions, *kv]
+
+
+def parity_against_torch(model, onnx_path: Path, layout: KVLayout, tolerance: float, decode_steps: int = 3) -> Parity:
+    """Batch 3, left-padded prompt with an empty past, then greedy decode steps with the past."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, layout.vocab_size, (3, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, :1] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    empty = np.zeros((3, layout.num_heads, 0, layout.head_dim), np.float32)
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
+    feeds |= {name: empty for name in layout.past_names}
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    out = session.run(None, feeds)
+    real = mask.numpy().astype(bool)
+    prefill = float(np.abs(out[0] - ref.logits.numpy())[real].max())
+    decode = 0.0
+    cache, present = ref.past_key_values, out[1:]
+    for _ in range(decode_steps):
+        nxt = ref.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        positions = positions[:, -1:] + 1
+        with torch.no_grad():
+            ref = model(input_ids=nxt, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        feeds = {"input_ids": nxt.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
+        feeds |= dict(zip(layout.past_names, present))
+        out = session.run(None, feeds)
+        decode = max(decode, float(np.abs(out[0] - ref.logits.numpy()).max()))
+        cache, present = ref.past_key_values, out[1:]
+    return Parity(prefill_max_abs_diff=prefill, decode_max_abs_diff=decode, tolerance=tolerance)

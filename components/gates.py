@@ -1,0 +1,289 @@
+"""The gates: an engine measured against the PyTorch model it came from (quality) and
+timed on generation (latency). Results are values: numbers, thresholds, pass/fail."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from components.config import GateParams, LatencyGateParams, QualityGateParams, QualityLimits
+from components.data import DataVersion, split_texts
+from components.engine_dir import EngineDir, load_engine_dir
+from components.errors import ConfigError, DataError
+from components.model_dir import TrainedModel
+from components.progress import stage_progress
+from components.runtime.engine import Engine
+from components.runtime.sampling import Sampling
+from components.runtime.tokenizer import EngineTokenizer
+
+# Part of the report folder's name and of the Prefect cache key (flows.caching): bump it when
+# the gates' code changes what they measure, and every engine is gated again.
+STAGE_VERSION = "1"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """One gate: what was measured, against which limits, and whether it passed."""
+
+    name: str
+    passed: bool
+    measured: dict[str, float]
+    thresholds: dict[str, float]
+    samples_ms: tuple[float, ...] = field(default=(), repr=False)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def failures(self) -> list[str]:
+        return [] if self.passed else [_failure_line(self.name, self.measured, self.thresholds)]
+
+
+@dataclass(frozen=True)
+class GateReport:
+    gates: tuple[GateResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(self.gates)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def gate(self, name: str) -> GateResult:
+        return next(g for g in self.gates if g.name == name)
+
+    def failures(self) -> list[str]:
+        return [line for gate in self.gates for line in gate.failures()]
+
+    def flat_numbers(self) -> dict[str, float]:
+        """`gates.<gate>.<measure>` → value: the registry's tag and metric names."""
+        return {f"gates.{g.name}.{k}": v for g in self.gates for k, v in g.measured.items()}
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "gates": [asdict(g) | {"samples_ms": list(g.samples_ms)} for g in self.gates]}
+
+    def to_markdown(self) -> str:
+        lines = [f"# Gate report: {'PASSED' if self.passed else 'FAILED'}", "", "| gate | measure | value | limit | |", "|---|---|---|---|---|"]
+        for gate in self.gates:
+            for measure, value in gate.measured.items():
+                limit = limit_text(measure, gate.thresholds)
+                mark = "" if not limit else ("✅" if gate.passed else "❌")
+                lines.append(f"| {gate.name} | {measure} | {value:.6g} | {limit} | {mark} |")
+        return "\n".join(lines) + "\n"
+
+
+# Which threshold bounds which measure, and in which direction.
+_LIMITS = {
+    "top1_agreement": ("min_top1_agreement", ">="),
+    "ppl_increase_pct": ("max_ppl_increase_pct", "<="),
+    "p95_ms": ("max_p95_ms", "<="),
+}
+
+
+def limit_text(measure: str, thresholds: dict[str, float]) -> str:
+    if measure not in _LIMITS or _LIMITS[measure][0] not in thresholds:
+        return ""
+    key, direction = _LIMITS[measure]
+    return f"{direction} {thresholds[key]:g}"
+
+
+def _failure_line(name: str, measured: dict[str, float], thresholds: dict[str, float]) -> str:
+    broken = []
+    for measure, (key, direction) in _LIMITS.items():
+        if measure in measured and key in thresholds:
+            ok = measured[measure] >= thresholds[key] if direction == ">=" else measured[measure] <= thresholds[key]
+            if not ok:
+                broken.append(f"{measure} {measured[measure]:.4g} (limit {direction} {thresholds[key]:g})")
+    return f"{name}: " + ", ".join(broken)
+
+
+# ---------------------------------------------------------------- quality
+
+
+def eval_windows(tokenizer: EngineTokenizer, texts: list[str], params: QualityGateParams) -> np.ndarray:
+    """(sequences, sequence_length) token windows cut from the eval split, in order."""
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer.encode(text))
+        if len(stream) >= params.sequences * params.sequence_length:
+            break
+    usable = len(stream) // params.sequence_length
+    if usable == 0:
+        raise DataError(f"the eval split has {len(stream)} tokens, fewer than one window of {params.sequence_length}")
+    windows = np.array(stream[: usable * params.sequence_length], np.int64).reshape(usable, params.sequence_length)
+    return windows[: params.sequences]
+
+
+def quality_gate(engine: Engine, reference, windows: np.ndarray, params: QualityGateParams, batch_size: int = 4) -> GateResult:
+    """Top-1 next-token agreement and perplexity of the engine vs the PyTorch reference."""
+    from components.metrics import load_metric
+
+    engine_argmax, reference_argmax, engine_nll, reference_nll = [], [], [], []
+    with stage_progress("quality gate", total=len(windows)) as advance:
+        for start in range(0, len(windows), batch_size):
+            batch = windows[start : start + batch_size]
+            engine_logits, _ = engine.prefill(batch, np.ones_like(batch))
+            reference_logits = _reference_logits(reference, batch)
+            engine_argmax.append(engine_logits[:, :-1].argmax(-1).ravel())
+            reference_argmax.append(reference_logits[:, :-1].argmax(-1).ravel())
+            engine_nll.append(_target_nll(engine_logits, batch))
+            reference_nll.append(_target_nll(reference_logits, batch))
+            advance(len(batch), "")
+    agreement = load_metric("top1_agreement").compute(
+        predictions=np.concatenate(engine_argmax), references=np.concatenate(reference_argmax)
+    )["top1_agreement"]
+    perplexity = load_metric("perplexity_from_nll")
+    ppl_engine = perplexity.compute(predictions=np.concatenate(engine_nll))["perplexity"]
+    ppl_reference = perplexity.compute(predictions=np.concatenate(reference_nll))["perplexity"]
+    measured = {
+        "top1_agreement": agreement,
+        "ppl_engine": ppl_engine,
+        "ppl_reference": ppl_reference,
+        "ppl_increase_pct": 100.0 * (ppl_engine / ppl_reference - 1.0),
+        "tokens": float(sum(map(len, engine_argmax))),
+    }
+    limits = quality_limits(params, engine.manifest.precision)
+    thresholds = {"min_top1_agreement": limits.min_top1_agreement, "max_ppl_increase_pct": limits.max_ppl_increase_pct}
+    passed = agreement >= limits.min_top1_agreement and measured["ppl_increase_pct"] <= limits.max_ppl_increase_pct
+    return GateResult("quality", passed, measured, thresholds)
+
+
+def quality_limits(params: QualityGateParams, precision: str) -> QualityLimits:
+    if precision not in params.limits:
+        raise ConfigError(f"gates.quality.limits has no entry for precision {precision!r}")
+    return params.limits[precision]
+
+
+def _reference_logits(reference, batch: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        ids = torch.from_numpy(batch)
+        return reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().numpy()
+
+
+def _target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
+    """-log p(next token) at every position but the last, computed stably in float64."""
+    scores = logits[:, :-1].astype(np.float64)
+    log_norm = np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1)) + scores.max(-1)
+    target = np.take_along_axis(scores, batch[:, 1:, None], axis=-1)[..., 0]
+    return (log_norm - target).ravel()
+
+
+# ---------------------------------------------------------------- latency
+
+
+def latency_gate(engine: Engine, prompt: list[int], params: LatencyGateParams) -> GateResult:
+    """p50 / p95 of generating `new_tokens` after a `prompt_tokens` prompt, after warm-up."""
+    sampling = Sampling(max_new_tokens=params.new_tokens, stop_at_eos=False)
+    samples = []
+    with stage_progress("latency gate", total=params.warmup + params.runs) as advance:
+        for run in range(params.warmup + params.runs):
+            start = time.perf_counter()
+            engine.generate([prompt], sampling)
+            if run >= params.warmup:
+                samples.append((time.perf_counter() - start) * 1000.0)
+            advance(1, "")
+    p50, p95 = (float(np.percentile(samples, q)) for q in (50, 95))
+    measured = {"p50_ms": p50, "p95_ms": p95, "ms_per_token": p50 / params.new_tokens, "new_tokens": float(params.new_tokens)}
+    return GateResult("latency", p95 <= params.max_p95_ms, measured, {"max_p95_ms": params.max_p95_ms}, tuple(samples))
+
+
+def latency_prompt(windows: np.ndarray, length: int) -> list[int]:
+    flat = windows.ravel()
+    if len(flat) < length:
+        raise DataError(f"need {length} prompt tokens for the latency gate, the eval windows hold {len(flat)}")
+    return flat[:length].tolist()
+
+
+# ---------------------------------------------------------------- together
+
+
+def gate_report(engine: Engine, reference, eval_texts: list[str], params: GateParams) -> GateReport:
+    tokenizer = EngineTokenizer(engine.engine_dir.path)
+    windows = eval_windows(tokenizer, eval_texts, params.quality)
+    quality = quality_gate(engine, reference, windows, params.quality)
+    latency = latency_gate(engine, latency_prompt(windows, params.latency.prompt_tokens), params.latency)
+    return GateReport((quality, latency))
+
+
+def write_report(report: GateReport, directory: Path) -> list[Path]:
+    """report.json, report.md and latency.png in `directory`; returns the paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / "report.json", directory / "report.md", directory / "latency.png"]
+    paths[0].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    paths[1].write_text(report.to_markdown())
+    _plot_latency(report.gate("latency"), paths[2])
+    return paths
+
+
+def _plot_latency(gate: GateResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.hist(gate.samples_ms, bins=min(20, max(5, len(gate.samples_ms))), color="#4c72b0")
+    for label, key, style in (("p50", "p50_ms", "--"), ("p95", "p95_ms", "-")):
+        axes.axvline(gate.measured[key], color="k", linestyle=style, label=f"{label} {gate.measured[key]:.1f} ms")
+    limit = gate.thresholds["max_p95_ms"]
+    right = max(gate.samples_ms) * 1.3
+    if limit <= right * 2:
+        axes.axvline(limit, color="#c44e52", label=f"limit {limit:g} ms")
+        right = max(right, limit * 1.05)
+    else:  # far off to the right: drawing it would squash the samples into one bar
+        axes.plot([], [], color="#c44e52", label=f"limit {limit:g} ms (off scale)")
+    axes.set_xlim(0, right)
+    axes.set_xlabel(f"ms to generate {int(gate.measured['new_tokens'])} tokens")
+    axes.set_ylabel("runs")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[str], params: GateParams) -> GateReport:
+    """Gate one engine directory against the PyTorch model directory it came from."""
+    from components.model_dir import load_model
+    from components.runtime import load_engine
+
+    with load_engine(engine_path) as engine:
+        return gate_report(engine, load_model(reference_path), eval_texts, params)
+
+
+def gated_report_dir(engine: EngineDir, model: TrainedModel, data: DataVersion, params: GateParams, out_root: Path) -> tuple[GateReport, Path]:
+    """The pipeline's gate stage: an engine against the model it was built from on the data's
+    eval split; the report (JSON, markdown, latency plot) lands in a folder named by the engine."""
+    report = gate_engine_dir(engine.path, model.path, data.texts("eval"), params)
+    directory = out_root / f"v{STAGE_VERSION}-{engine.sha256[:16]}"
+    write_report(report, directory)
+    return report, directory
+
+
+def gate_against_lineage(engine_path: Path, params: GateParams, data_dir: Path, reference: Path | None = None) -> tuple[GateReport, str | None]:
+    """`kiln gate`: an engine directory against `reference` (default: the model its lineage
+    names) on the eval split under `data_dir`; and a note when the reference is not the
+    model the engine was built from."""
+    from components.model_dir import model_from_directory
+
+    engine = load_engine_dir(engine_path)
+    model = model_from_directory(reference or Path(engine.manifest.lineage.source_model_path))
+    note = None
+    if model.sha256 != engine.manifest.lineage.source_model_sha256:
+        note = f"reference {model.path} is not the model this engine was built from"
+    return gate_engine_dir(engine.path, model.path, split_texts(data_dir, "eval"), params), note
+
+
+def fastest_passing(candidates: Sequence[T], report_of: Callable[[T], GateReport]) -> T | None:
+    """The candidate that passed every gate with the lowest median generation latency: the
+    pipeline's choice for `challenger`."""
+    passed = [c for c in candidates if report_of(c).passed]
+    return min(passed, key=lambda c: report_of(c).gate("latency").measured["p50_ms"], default=None)

@@ -1,0 +1,88 @@
+"""The model-directory contract: a Hugging Face causal LM directory (weights, config,
+tokenizer, and kiln's training record when kiln trained it) and its identity.
+
+Export, gates and the CLI load models through here, not through the training stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from components.errors import TrainError
+from components.files import directory_sha256
+
+TRAINING_RECORD = "kiln_training.json"
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A Hugging Face model directory (weights, config, tokenizer) and its identity."""
+
+    path: Path
+    sha256: str
+    eval_perplexity: float | None = None
+    uniform_perplexity: float | None = None
+    loss_curve: tuple[tuple[int, float], ...] = field(default=())
+
+    @property
+    def content_digest(self) -> str:
+        return self.sha256
+
+
+def model_from_directory(path: Path) -> TrainedModel:
+    """A model directory as a TrainedModel, after checking that it loads."""
+    check_model_directory(path)
+    record = _read_record(path)
+    return TrainedModel(
+        path=path,
+        sha256=directory_sha256(path),
+        eval_perplexity=record.get("eval_perplexity"),
+        uniform_perplexity=record.get("uniform_perplexity"),
+        loss_curve=tuple(tuple(point) for point in record.get("loss_curve", ())),
+    )
+
+
+def check_model_directory(path: Path) -> None:
+    """Raise TrainError naming what is wrong if `path` is not a loadable causal LM directory."""
+    if not path.is_dir():
+        raise TrainError(f"model directory not found: {path}")
+    for required in ("config.json", "tokenizer.json"):
+        if not (path / required).is_file():
+            raise TrainError(f"model directory {path} has no {required}")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise TrainError(f"model directory {path} has no weights (*.safetensors or *.bin)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as err:
+        raise TrainError(f"model directory {path}: config.json is not valid JSON ({err})") from err
+    if config.get("model_type") != "gpt2":
+        raise TrainError(f"model directory {path}: model_type {config.get('model_type')!r}, kiln exports gpt2")
+
+
+def load_model(path: Path):
+    """The PyTorch model of a model directory, in eval mode; TrainError if it cannot load."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_directory(path)
+    quiet_transformers()
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    except Exception as err:  # safetensors, torch and transformers each raise their own types
+        raise TrainError(f"cannot load model from {path}: {type(err).__name__}: {err}") from err
+
+
+def quiet_transformers() -> None:
+    """transformers' per-shard tqdm bars and advice warnings drown the stage progress bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        return json.loads((path / TRAINING_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}

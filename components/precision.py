@@ -1,0 +1,259 @@
+"""The precision stage: the exported fp32 ONNX → the ONNX that carries its precision.
+
+TensorRT 11 builds strongly typed networks, so precision lives in the graph: Q/DQ nodes
+(symmetric, zero point 0) for int8, fp16 tensors for fp16. ONNX Runtime runs the same
+graph on the CPU, so its quality is measured here even where TensorRT is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from components.calibrate import CalibrationSet
+from components.config import Fp16Params, Int8Params, PrecisionParams, section_digest
+from components.errors import BuildError
+from components.export import ExportedOnnx
+from components.files import file_sha256, stage_output
+from components.progress import stage_progress
+
+ONNX_FILE = "model.onnx"
+# Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
+# this stage's code changes what it makes, and only this stage and those after it rebuild.
+STAGE_VERSION = "3"
+
+
+@dataclass(frozen=True)
+class PrecisionOnnx:
+    """An ONNX graph in one precision, with what it was derived from."""
+
+    onnx: ExportedOnnx  # path / sha256 / layout / parity of this graph
+    precision: str
+    fp32_sha256: str
+    calibration_digest: str | None = None
+
+    @property
+    def content_digest(self) -> str:
+        return self.onnx.sha256
+
+
+def precision_onnx(
+    onnx: ExportedOnnx, precision: str, calibration: CalibrationSet | None, params: PrecisionParams, out_root: Path
+) -> PrecisionOnnx:
+    if precision == "fp32":
+        return PrecisionOnnx(onnx=onnx, precision="fp32", fp32_sha256=onnx.sha256)
+    if precision == "int8" and calibration is None:
+        raise BuildError("an int8 graph needs a calibration set")
+    settings = params.int8 if precision == "int8" else params.fp16
+    salt = calibration.digest[:12] if precision == "int8" else "nocal"
+    target = out_root / f"{precision}-v{STAGE_VERSION}-{section_digest(settings)[:10]}-{salt}-{onnx.sha256[:12]}"
+
+    def build(staging: Path) -> None:
+        if precision == "int8":
+            int8_qdq_onnx(onnx, calibration, params.int8, staging / ONNX_FILE)
+        else:
+            fp16_onnx(onnx.path, params.fp16, staging / ONNX_FILE)
+
+    stage_output(target, ONNX_FILE, build)
+    converted = replace(onnx, path=target / ONNX_FILE, sha256=file_sha256(target / ONNX_FILE))
+    return PrecisionOnnx(
+        onnx=converted,
+        precision=precision,
+        fp32_sha256=onnx.sha256,
+        calibration_digest=calibration.digest if precision == "int8" else None,
+    )
+
+
+# ---------------------------------------------------------------- int8
+
+
+class CalibrationFeeds:
+    """An onnxruntime `CalibrationDataReader` over both feeds an int8 model sees: each
+    prompt with an empty past (context phase), then greedy decode steps whose past is the
+    real KV cache the fp32 graph produced (generation phase).
+
+    It supports `set_range` so quantize_static can collect one feed at a time
+    (`CalibStridedMinMax`: 1): the histogram calibrators (entropy, percentile) stack all
+    collected outputs into one array and fail on feeds of different lengths.
+    """
+
+    def __init__(self, fp32: ExportedOnnx, calibration: CalibrationSet) -> None:
+        import onnxruntime as ort
+
+        self._session = ort.InferenceSession(str(fp32.path), providers=["CPUExecutionProvider"])
+        self._layout = fp32.layout
+        self._prompts = calibration.prompts
+        self._per_prompt = calibration.decode_steps + 1
+        self._chain: tuple[int, list[dict[str, np.ndarray]]] = (-1, [])
+        self.on_feed: Callable[[], None] = lambda: None
+        self.set_range(0, len(self))
+
+    def __len__(self) -> int:
+        return len(self._prompts) * self._per_prompt
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self._feeds = (self._feed(i) for i in range(start_index, end_index))
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._feeds, None)
+
+    def rewind(self) -> None:
+        self.set_range(0, len(self))
+
+    def _feed(self, index: int) -> dict[str, np.ndarray]:
+        self.on_feed()
+        prompt, step = divmod(index, self._per_prompt)
+        if self._chain[0] != prompt:  # feeds are read in order: each chain is computed once
+            self._chain = (prompt, self._prompt_feeds(np.array([self._prompts[prompt]], np.int64)))
+        return self._chain[1][step]
+
+    def _prompt_feeds(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
+        layout = self._layout
+        empty = np.zeros((1, layout.num_heads, 0, layout.head_dim), np.float32)
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None]}
+        feeds = [feed | {name: empty for name in layout.past_names}]
+        for _ in range(self._per_prompt - 1):
+            logits, *present = self._session.run(None, feeds[-1])
+            position = feeds[-1]["position_ids"][:, -1:] + 1
+            feeds.append(
+                {
+                    "input_ids": logits[:, -1:].argmax(-1).astype(np.int64),
+                    "attention_mask": np.ones((1, int(position[0, 0]) + 1), np.int64),
+                    "position_ids": position,
+                }
+                | dict(zip(layout.past_names, present))
+            )
+        return feeds
+
+
+def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8Params, output: Path) -> None:
+    """Static Q/DQ quantization: symmetric int8 activations and weights (TensorRT needs
+    zero point 0), per-channel weights, sensitive nodes left in float."""
+    import onnx as onnx_lib
+    from onnxruntime.quantization import CalibrationMethod
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    prepared = output.with_name("prepared.onnx")
+    # Symbolic shape inference first, or ops whose shapes ORT cannot infer stay uncalibrated;
+    # and constant folding (ORT's basic level: standard ONNX ops only), so a weight reached
+    # through a Transpose (the tied lm_head) becomes an initializer that is quantized once,
+    # per channel, instead of being re-quantized as an activation on every step.
+    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False)
+    model = onnx_lib.load(str(prepared))
+    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
+    feeds = CalibrationFeeds(onnx, calibration)
+    # The histogram collectors print a line per collection (one per feed here): keep stdout
+    # for the progress bar.
+    with stage_progress("int8 calibration", total=len(feeds)) as advance, contextlib.redirect_stdout(io.StringIO()):
+        feeds.on_feed = lambda: advance(1, "")
+        _quantize(prepared, output, feeds, params, methods[params.calibration_method], nodes_kept_float(model, params))
+    prepared.unlink()
+
+
+def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int8Params, method, kept_float: list[str]) -> None:
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    quantize_static(
+        str(prepared),
+        str(output),
+        feeds,
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        per_channel=params.per_channel,
+        op_types_to_quantize=list(params.op_types),
+        calibrate_method=method,
+        nodes_to_exclude=kept_float,
+        extra_options={
+            "ActivationSymmetric": True,
+            "WeightSymmetric": True,
+            # A quantized MatMul/Gemm output would be requantized and dequantized again
+            # before the next float op: pure loss, no int8 kernel behind it.
+            "OpTypesToExcludeOutputQuantization": ["MatMul", "Gemm"],
+            "CalibStridedMinMax": 1,  # one feed per collection: see CalibrationFeeds
+        },
+    )
+
+
+def nodes_kept_float(model, params: Int8Params) -> list[str]:
+    """Names of the nodes that stay float: by op type, by name pattern, and (optionally)
+    the attention-score MatMuls, found structurally: neither input is a weight."""
+    patterns = [re.compile(p) for p in params.keep_float.name_patterns]
+    weights = _weight_tensors(model)
+    kept = []
+    for node in model.graph.node:
+        if node.op_type in params.keep_float.op_types or any(p.search(node.name) for p in patterns):
+            kept.append(node.name)
+        elif params.keep_float.attention_scores and node.op_type == "MatMul" and not set(node.input) & weights:
+            kept.append(node.name)
+    return kept
+
+
+def _weight_tensors(model) -> set[str]:
+    """Initializers and what layout ops (Transpose, Reshape, Cast) make of them."""
+    weights = {init.name for init in model.graph.initializer}
+    for node in model.graph.node:  # graph order is topological
+        if node.op_type in {"Transpose", "Reshape", "Cast", "Identity"} and node.input and node.input[0] in weights:
+            weights.update(node.output)
+    return weights
+
+
+# ---------------------------------------------------------------- fp16
+
+
+def fp16_onnx(source: Path, params: Fp16Params, output: Path) -> None:
+    """fp16 weights and activations, with LayerNorm, Softmax and the logits kept fp32."""
+    import onnx as onnx_lib
+    from onnxconverter_common import float16
+
+    model = onnx_lib.load(str(source))
+    # The dynamo export annotates intermediate tensors as float; the converter does not
+    # rewrite every annotation, and a stale one fails the load. Shapes are re-inferred.
+    del model.graph.value_info[:]
+    _detach_graph_outputs(model)
+    logits_node = next(node.name for node in model.graph.node if "logits" in node.output or "logits.inner" in node.output)
+    converted = float16.convert_float_to_float16(
+        model,
+        keep_io_types=True,
+        op_block_list=list(params.keep_fp32_op_types),
+        node_block_list=[logits_node],  # the lm_head: logits are computed, not only returned, in fp32
+        disable_shape_infer=False,
+    )
+    _drop_output_downcast(converted, "logits")
+    onnx_lib.save(converted, str(output))
+
+
+def _detach_graph_outputs(model) -> None:
+    """Make each graph output a leaf: its producer writes `<name>.inner`, consumers read that,
+    and an Identity copies it to the output. The fp16 converter casts graph outputs back to
+    fp32 in place, which would hand fp32 to nodes (the KV concat) that expect fp16."""
+    from onnx import helper
+
+    outputs = {o.name for o in model.graph.output}
+    consumed = {name for node in model.graph.node for name in node.input} & outputs
+    for node in model.graph.node:
+        node.output[:] = [f"{o}.inner" if o in consumed else o for o in node.output]
+        node.input[:] = [f"{i}.inner" if i in consumed else i for i in node.input]
+    model.graph.node.extend(helper.make_node("Identity", [f"{o}.inner"], [o], name=f"{o}.leaf") for o in sorted(consumed))
+
+
+def _drop_output_downcast(model, output: str) -> None:
+    """The converter casts a blocked node's fp32 result to fp16 and declares the graph output
+    fp16, keep_io_types notwithstanding: hand the fp32 result to an fp32 output instead."""
+    from onnx import TensorProto
+
+    cast = next(node for node in model.graph.node if output in node.output)
+    to = next((a.i for a in cast.attribute if a.name == "to"), None)
+    if cast.op_type != "Cast" or to != TensorProto.FLOAT16:
+        return
+    producer = next(node for node in model.graph.node if cast.input[0] in node.output)
+    producer.output[:] = [output if name == cast.input[0] else name for name in producer.output]
+    model.graph.node.remove(cast)
+    declared = next(o for o in model.graph.output if o.name == output)
+    declared.type.tensor_type.elem_type = TensorProto.FLOAT

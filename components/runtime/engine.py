@@ -1,0 +1,135 @@
+"""The one `Engine` interface: prefill, decode and generate over a KV cache.
+
+A backend supplies `forward` (one call of the exported graph); everything above it —
+padding, positions, the cache's growth, sampling, stopping — lives here once, so the gates
+and the server drive every backend through the same code: what was gated is what is served.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from components.engine_dir import EngineDir
+from components.errors import ShapeOutOfProfile
+from components.runtime.sampling import Sampling, pick_next
+
+
+@dataclass
+class DecodeState:
+    """What a decode step needs: the cache, the mask over it, and each row's last position."""
+
+    cache: list[np.ndarray]
+    attention_mask: np.ndarray  # (batch, past_length), int64
+    last_position: np.ndarray  # (batch, 1), int64
+
+    @property
+    def past_length(self) -> int:
+        return self.attention_mask.shape[1]
+
+
+class Engine(ABC):
+    """A loaded engine. Use it as a context manager (or call `close`) to free what the
+    backend holds: a session, device buffers, streams."""
+
+    def __init__(self, engine_dir: EngineDir) -> None:
+        self.engine_dir = engine_dir
+        self.manifest = engine_dir.manifest
+
+    def close(self) -> None:
+        """Release the backend's resources; the engine is unusable afterwards."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    @abstractmethod
+    def forward(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: list[np.ndarray]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One call of the graph: logits (batch, sequence, vocab) and the grown cache."""
+
+    # ------------------------------------------------------------ phases
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, DecodeState]:
+        """Context phase on left-padded prompts; returns all logits and the decode state."""
+        self._check_context(input_ids.shape)
+        positions = np.clip(attention_mask.cumsum(-1) - 1, 0, None).astype(np.int64)
+        logits, cache = self.forward(input_ids, attention_mask, positions, self._empty_cache(len(input_ids)))
+        return logits, DecodeState(cache, attention_mask, positions[:, -1:])
+
+    def decode(self, state: DecodeState, next_ids: np.ndarray) -> tuple[np.ndarray, DecodeState]:
+        """Generation phase: one new token per row; returns its logits (batch, vocab)."""
+        self._check_generation(len(next_ids), state.past_length)
+        mask = np.concatenate([state.attention_mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
+        positions = state.last_position + 1
+        logits, cache = self.forward(next_ids.reshape(-1, 1).astype(np.int64), mask, positions, state.cache)
+        return logits[:, -1], DecodeState(cache, mask, positions)
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """New token ids for each prompt (left-padded into one batch), without the prompt."""
+        if not prompts or any(not p for p in prompts):
+            raise ShapeOutOfProfile("every prompt needs at least one token")
+        self._check_total(max(map(len, prompts)) + sampling.max_new_tokens)
+        ids, mask = left_pad(prompts, self.manifest.eos_token_id)
+        rng = np.random.default_rng(sampling.seed)
+        logits, state = self.prefill(ids, mask)
+        step_logits = logits[:, -1]
+        generated: list[list[int]] = [[] for _ in prompts]
+        finished = np.zeros(len(prompts), bool)
+        for step in range(sampling.max_new_tokens):
+            next_ids = pick_next(step_logits, sampling, rng)
+            for row, token in enumerate(next_ids.tolist()):
+                if not finished[row]:
+                    generated[row].append(token)
+            if sampling.stop_at_eos:
+                finished |= next_ids == self.manifest.eos_token_id
+            if finished.all() or step == sampling.max_new_tokens - 1:
+                break
+            step_logits, state = self.decode(state, next_ids)
+        if sampling.stop_at_eos:
+            generated = [[t for t in row if t != self.manifest.eos_token_id] for row in generated]
+        return generated
+
+    # ------------------------------------------------------------ profile checks
+
+    def _empty_cache(self, batch: int) -> list[np.ndarray]:
+        shape = (batch, self.manifest.num_heads, 0, self.manifest.head_dim)
+        return [np.zeros(shape, np.float32) for _ in self.manifest.past_names]
+
+    def _check_context(self, shape: tuple[int, ...]) -> None:
+        profile = self.manifest.profiles["context"]
+        batch, length = shape
+        if not profile.batch.admits(batch):
+            raise ShapeOutOfProfile(f"batch {batch} is outside the engine's profile ({profile.batch.min}..{profile.batch.max})")
+        if not profile.sequence.admits(length):
+            raise ShapeOutOfProfile(
+                f"prompt of {length} tokens is outside the engine's profile ({profile.sequence.min}..{profile.sequence.max} tokens)"
+            )
+
+    def _check_generation(self, batch: int, past: int) -> None:
+        profile = self.manifest.profiles["generation"]
+        if not profile.past.admits(past):
+            raise ShapeOutOfProfile(f"context of {past + 1} tokens exceeds the engine's profile ({profile.past.max + 1})")
+        if not profile.batch.admits(batch):
+            raise ShapeOutOfProfile(f"batch {batch} is outside the engine's profile ({profile.batch.min}..{profile.batch.max})")
+
+    def _check_total(self, total: int) -> None:
+        limit = self.manifest.profiles["generation"].past.max + 1
+        if total > limit:
+            raise ShapeOutOfProfile(f"prompt plus max_tokens is {total} tokens; the engine's profile allows {limit}")
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts of unequal length as one left-padded batch: (ids, attention_mask)."""
+    width = max(map(len, prompts))
+    ids = np.full((len(prompts), width), pad_id, np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask

@@ -1,0 +1,187 @@
+"""The train stage: a byte-level BPE tokenizer and a small GPT-2 trained from scratch on the
+train split, or an existing Hugging Face model loaded (and optionally fine-tuned)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from components.config import ModelParams, TrainingParams, section_digest
+from components.data import DataVersion
+from components.errors import TrainError
+from components.files import stage_output
+from components.model_dir import TRAINING_RECORD, TrainedModel, load_model, model_from_directory, quiet_transformers
+from components.progress import stage_progress
+
+EOS = "<|endoftext|>"
+# Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
+# this stage's code changes what it makes, and only this stage and those after it rebuild.
+STAGE_VERSION = "1"
+
+
+def model_from_data(data: DataVersion, params: ModelParams, out_root: Path) -> TrainedModel:
+    """Train (or load and fine-tune) a model; the result lands in a directory named by the
+    content of what went in, written atomically."""
+    key = f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{data.md5.removesuffix('.dir')[:12]}"
+    build = lambda staging: _train_into(staging, data, params)  # noqa: E731
+    return model_from_directory(stage_output(out_root / key, TRAINING_RECORD, build))
+
+
+# ---------------------------------------------------------------- training
+
+
+def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
+    import torch
+
+    quiet_transformers()
+    torch.manual_seed(params.training.seed)
+    if params.training.threads:
+        torch.set_num_threads(params.training.threads)
+    if params.pretrained:
+        model, tokenizer = _pretrained(params.pretrained)
+    else:
+        tokenizer = tokenizer_from_texts(data.texts("train"), params)
+        model = _fresh_gpt2(tokenizer, params)
+    train_ids = _token_stream(tokenizer, data.texts("train"))
+    eval_ids = _token_stream(tokenizer, data.texts("eval"))
+    curve = _fit(model, train_ids, params.training)
+    perplexity = evaluate_perplexity(model, eval_ids, params.training)
+    model.save_pretrained(str(target))
+    tokenizer.save_pretrained(str(target))
+    record = {
+        "eval_perplexity": perplexity,
+        "uniform_perplexity": float(model.config.vocab_size),
+        "loss_curve": curve,
+        "data_md5": data.md5,
+        "params": params.model_dump(mode="json"),
+    }
+    (target / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def tokenizer_from_texts(texts: Sequence[str], params: ModelParams):
+    """A byte-level BPE (GPT-2's scheme) trained on the texts, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=params.tokenizer.vocab_size,
+        min_frequency=params.tokenizer.min_frequency,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS)
+
+
+def _fresh_gpt2(tokenizer, params: ModelParams):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    arch = params.architecture
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=arch.n_positions,
+        n_embd=arch.n_embd,
+        n_layer=arch.n_layer,
+        n_head=arch.n_head,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _pretrained(name: str):
+    from transformers import AutoTokenizer
+
+    path = Path(name)
+    model = load_model(path) if path.exists() else _hub_model(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as err:
+        raise TrainError(f"cannot load the tokenizer of {name}: {err}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _hub_model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(name).eval()
+    except Exception as err:
+        raise TrainError(f"model.pretrained {name!r} is neither a local directory nor a reachable hub id: {err}") from err
+
+
+def _token_stream(tokenizer, texts: Sequence[str]):
+    """All texts as one id tensor, each followed by EOS (GPT-2's document separator)."""
+    import torch
+
+    ids: list[int] = []
+    for encoding in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        ids.extend(encoding)
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _fit(model, ids, params: TrainingParams) -> list[tuple[int, float]]:
+    """AdamW with linear warm-up and cosine decay on random windows of the token stream.
+
+    A plain loop rather than transformers.Trainer: it needs `accelerate`, prints tqdm bars,
+    and a fixed step budget with a rich progress bar is all this stage wants.
+    """
+    import torch
+
+    if params.steps == 0:
+        return []
+    if len(ids) <= params.block_size + 1:
+        raise TrainError(f"the train split has {len(ids)} tokens, fewer than one block of {params.block_size}")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=params.learning_rate, weight_decay=params.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_scale(step, params))
+    generator = torch.Generator().manual_seed(params.seed)
+    curve = []
+    with stage_progress("train", total=params.steps) as advance:
+        for step in range(params.steps):
+            starts = torch.randint(0, len(ids) - params.block_size - 1, (params.batch_size,), generator=generator)
+            batch = torch.stack([ids[s : s + params.block_size] for s in starts.tolist()])
+            loss = model(input_ids=batch, attention_mask=torch.ones_like(batch), labels=batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            if step % 10 == 0 or step == params.steps - 1:
+                curve.append((step, round(loss.item(), 4)))
+            advance(1, f"loss {loss.item():.3f}")
+    model.eval()
+    return curve
+
+
+def _lr_scale(step: int, params: TrainingParams) -> float:
+    if step < params.warmup_steps:
+        return (step + 1) / params.warmup_steps
+    progress = (step - params.warmup_steps) / max(1, params.steps - params.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def evaluate_perplexity(model, ids, params: TrainingParams) -> float:
+    """exp(mean next-token loss) over non-overlapping eval blocks."""
+    import torch
+
+    block = min(params.block_size, model.config.n_positions)
+    blocks = ids[: (len(ids) // block) * block].view(-1, block)[: params.eval_batches * params.batch_size]
+    if len(blocks) == 0:
+        raise TrainError(f"the eval split has {len(ids)} tokens, fewer than one block of {block}")
+    losses = []
+    with torch.no_grad():
+        for batch in blocks.split(params.batch_size):
+            mask = torch.ones_like(batch)
+            losses.append(model(input_ids=batch, attention_mask=mask, labels=batch).loss.item() * len(batch))
+    return math.exp(sum(losses) / len(blocks))

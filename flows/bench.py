@@ -1,0 +1,173 @@
+"""The generation benchmark behind `kiln bench`: Hugging Face `generate` (eager, fp32) vs
+kiln engines, in one process, interleaved so that a busy machine slows all rows alike.
+
+It wires the pipeline's own export, precision and build stages (without Prefect) on a
+GPT-2-small shaped model (124M parameters; random weights: speed does not depend on them).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from components.progress import stage_progress
+
+GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    name: str
+    median_ms: float
+    ms_per_token: float
+    speedup_vs_hf: float
+    runs_ms: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    prompt_tokens: int = 32
+    new_tokens: int = 128
+    runs: int = 5
+    warmup: int = 1
+    calibration_prompts: int = 16
+    seed: int = 0
+
+
+def benchmark_model_dir(directory: Path, shape: dict[str, int] = GPT2_SMALL, seed: int = 0) -> Path:
+    """A GPT-2-small-shaped model directory with random weights (and non-zero biases, as a
+    trained model has) plus a small BPE tokenizer so it is a complete model directory."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from components.config import ModelParams, TokenizerParams
+    from components.train import tokenizer_from_texts
+
+    if (directory / "config.json").is_file():
+        return directory
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**shape)).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.02)
+    texts = ["the quick brown fox jumps over the lazy dog " * 20, "def function(argument): return value " * 20]
+    tokenizer = tokenizer_from_texts(texts, ModelParams(tokenizer=TokenizerParams(vocab_size=300, min_frequency=1)))
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+
+
+def hf_generate_fn(model_dir: Path, prompt: list[int], new_tokens: int) -> Callable[[], None]:
+    import torch
+
+    from components.model_dir import load_model
+
+    model = load_model(model_dir)
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    return run
+
+
+def engine_generate_fn(engine_path: Path, prompt: list[int], new_tokens: int, threads: int | None = None) -> Callable[[], None]:
+    from components.runtime import load_engine
+    from components.runtime.sampling import Sampling
+
+    engine = load_engine(engine_path, threads=threads)  # lives as long as the closure
+    sampling = Sampling(max_new_tokens=new_tokens, stop_at_eos=False)
+    return lambda: engine.generate([prompt], sampling)
+
+
+def time_interleaved(candidates: dict[str, Callable[[], None]], setup: BenchSetup) -> dict[str, list[float]]:
+    """Warm each up, then run them in turn `runs` times: ms per generation, per candidate."""
+    for run in candidates.values():
+        for _ in range(setup.warmup):
+            run()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    with stage_progress("bench", total=setup.runs * len(candidates)) as advance:
+        for _ in range(setup.runs):
+            for name, run in candidates.items():
+                start = time.perf_counter()
+                run()
+                samples[name].append((time.perf_counter() - start) * 1000.0)
+                advance(1, name)
+    return samples
+
+
+def rows_from_samples(samples: dict[str, list[float]], new_tokens: int, baseline: str) -> list[BenchRow]:
+    base = statistics.median(samples[baseline])
+    rows = []
+    for name, runs in samples.items():
+        median = statistics.median(runs)
+        rows.append(BenchRow(name, median, median / new_tokens, base / median, tuple(runs)))
+    return rows
+
+
+def write_json(rows: list[BenchRow], setup: BenchSetup, path: Path) -> None:
+    payload = {
+        "setup": asdict(setup) | {"batch": 1},
+        "rows": [{k: v for k, v in asdict(r).items() if k != "runs_ms"} | {"runs_ms": list(r.runs_ms)} for r in rows],
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def benchmark_calibration(work: Path, vocab: int, setup: BenchSetup):
+    """Random-token prompts: with random weights there is no distribution to match, and the
+    bench measures speed; quality is the gates' job on the trained model."""
+    import hashlib
+
+    from components.calibrate import CalibrationSet
+
+    prompts = random_prompts(setup.calibration_prompts, setup.prompt_tokens, vocab, setup.seed + 1)
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    return CalibrationSet(path=work, digest=digest, prompts=tuple(map(tuple, prompts)), decode_steps=2)
+
+
+def benchmark_engines(
+    work: Path, precisions: list[str], setup: BenchSetup, shape: dict[str, int] = GPT2_SMALL
+) -> tuple[Path, dict[str, Path]]:
+    """The benchmark model and an ONNX Runtime engine per precision, built by the pipeline's
+    own stages (cached in `work` across invocations)."""
+    from components.build import engine_from_onnx
+    from components.config import BuildParams, ExportParams, Int8Params, PrecisionParams
+    from components.data import DataVersion
+    from components.export import onnx_from_model
+    from components.model_dir import model_from_directory
+    from components.precision import precision_onnx
+
+    model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed))
+    # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
+    onnx = onnx_from_model(model, ExportParams(parity_tolerance=1e-3), work / "onnx")
+    calibration = benchmark_calibration(work, shape["vocab_size"], setup)
+    settings = PrecisionParams(build=precisions, int8=Int8Params(calibration_method="minmax"))
+    data = DataVersion(path=work, md5="benchmark")
+    engines = {}
+    for precision in precisions:
+        graph = precision_onnx(onnx, precision, calibration, settings, work / "precision")
+        engines[precision] = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines").path
+    return model.path, engines
+
+
+def benchmark_rows(work: Path, precisions: list[str], setup: BenchSetup) -> list[BenchRow]:
+    """`kiln bench`: build (or reuse) the engines, time HF and each engine interleaved."""
+    model_dir, engines = benchmark_engines(work, precisions, setup)
+    prompt = random_prompts(1, setup.prompt_tokens, GPT2_SMALL["vocab_size"], setup.seed)[0]
+    candidates = {"hf-eager-fp32": hf_generate_fn(model_dir, prompt, setup.new_tokens)}
+    candidates |= {f"kiln-ort-{p}": engine_generate_fn(path, prompt, setup.new_tokens) for p, path in engines.items()}
+    return rows_from_samples(time_interleaved(candidates, setup), setup.new_tokens, baseline="hf-eager-fp32")

@@ -1,0 +1,55 @@
+"""Prefect cache keys from content, not names.
+
+Prefect's INPUTS policy hashes a Path by its name, so a retrained model in the same folder
+would hit a stale cache. Stage outputs here carry a `content_digest` (data md5, file or
+directory sha256), settings are pydantic sections hashed by value, and only output
+locations are plain Paths (keyed by where they point, which is what they mean).
+
+A key also carries the `STAGE_VERSION` of the module that defines the stage, the same
+constant that names the stage's output folder: one bump re-runs the stage and rebuilds
+its output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def stage_version(fn: Callable) -> str:
+    """The `STAGE_VERSION` of the module defining `fn`; every cached stage must declare one."""
+    module = inspect.getmodule(fn)
+    version = getattr(module, "STAGE_VERSION", None)
+    if version is None:
+        raise TypeError(f"{fn.__module__}.{fn.__qualname__} is cached but its module declares no STAGE_VERSION")
+    return str(version)
+
+
+def content_key(task_name: str, version: str, parameters: dict[str, Any]) -> str:
+    canonical = json.dumps({name: _identity(value) for name, value in sorted(parameters.items())}, sort_keys=True)
+    return hashlib.sha256(f"{task_name}:v{version}:{canonical}".encode()).hexdigest()
+
+
+def _identity(value: Any) -> Any:
+    if hasattr(value, "content_digest"):
+        return {"digest": value.content_digest}
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, Path):
+        return {"location": str(value.resolve())}
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_identity(v) for v in value]
+    raise TypeError(f"cannot derive a content cache key from {type(value).__name__}")
+
+
+def task_cache_key(context, parameters: dict[str, Any]) -> str:
+    """A Prefect `cache_key_fn`."""
+    return content_key(context.task.name, stage_version(context.task.fn), parameters)

@@ -1,0 +1,218 @@
+"""The `kiln` command line (Typer): parse arguments, call one flow or component, render.
+Heavy modules load inside the verbs, so `kiln --help` and importing this module stay fast
+and torch-free.
+
+Exit codes: 0 success, 1 a gate failed, 2 unusable input (bad params, missing or corrupt
+files, unreachable registry).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from components.errors import GateFailed, KilnError
+from flows import render
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="kiln: train → export → build → gate → register → serve.")
+
+ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="params file (default: params.yaml in the current folder)")]
+
+
+def _prepare_environment(root: Path) -> None:
+    from flows.environment import prepare_environment
+
+    prepare_environment(root)
+
+
+def _load(params_file: Path):
+    from components.config import load_params
+
+    return load_params(params_file)
+
+
+def _fail(err: KilnError) -> None:
+    render.error(err)
+    raise typer.Exit(1 if isinstance(err, GateFailed) else 2)
+
+
+@app.command()
+def run(
+    params_file: ParamsOption = Path("params.yaml"),
+    fresh: Annotated[bool, typer.Option(help="delete cached stage outputs and rebuild every stage")] = False,
+) -> None:
+    """Retrain and rebuild: data → train → export → build → gates → register."""
+    _run_pipeline(params_file, model_dir=None, fresh=fresh)
+
+
+@app.command()
+def build(
+    params_file: ParamsOption = Path("params.yaml"),
+    model: Annotated[Path | None, typer.Option(help="model directory (default: model.pretrained)")] = None,
+    fresh: Annotated[bool, typer.Option(help="delete cached stage outputs and rebuild every stage")] = False,
+) -> None:
+    """The same flow from an existing model, without training."""
+    _run_pipeline(params_file, model_dir=model, fresh=fresh, from_model=True)
+
+
+def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool, from_model: bool = False) -> None:
+    """`from_model`: skip training, using `model_dir` or else params' model.pretrained."""
+    root = Path.cwd()
+    _prepare_environment(root)
+    try:
+        params = _load(params_file)
+        if from_model:
+            model_dir = _model_to_build(model_dir, params)
+        if fresh:
+            import shutil
+
+            from components.workspace import Workspace
+
+            shutil.rmtree(Workspace(root).state / "stages", ignore_errors=True)
+            os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+        from flows.pipeline import retrain_and_rebuild
+
+        _hide_kiln_tracebacks()
+        result = retrain_and_rebuild(params, root, model_dir)
+    except GateFailed as err:
+        render.pipeline_result(err.report)
+        _fail(err)
+    except KilnError as err:
+        _fail(err)
+    render.pipeline_result(result)
+
+
+def _model_to_build(model_dir: Path | None, params) -> Path:
+    from components.model_dir import check_model_directory
+
+    if model_dir is None and not params.model.pretrained:
+        raise KilnError("kiln build needs a model: pass --model DIR or set model.pretrained in params.yaml")
+    model_dir = (model_dir or Path(params.model.pretrained)).resolve()
+    check_model_directory(model_dir)
+    return model_dir
+
+
+class _NoKilnTracebacks(logging.Filter):
+    """A KilnError's message already says what was wrong; Prefect's console would add a
+    traceback for the task and again for the flow."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], KilnError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _hide_kiln_tracebacks() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_NoKilnTracebacks())
+
+
+@app.command()
+def gate(
+    engine_dir: Annotated[Path, typer.Argument(help="engine directory (with engine.json)")],
+    params_file: Annotated[Path | None, typer.Option("--params", "-p", help="params file (default: params.yaml if present)")] = None,
+    reference: Annotated[Path | None, typer.Option(help="reference model directory (default: from the engine's lineage)")] = None,
+    data: Annotated[Path | None, typer.Option(help="data directory holding eval.parquet (default: data.path)")] = None,
+) -> None:
+    """Gate one engine directory; prints the report; exit 1 when a gate fails."""
+    _prepare_environment(Path.cwd())
+    try:
+        from components.config import Params
+        from components.gates import gate_against_lineage
+
+        if params_file is None and not Path("params.yaml").is_file():
+            params = Params()
+        else:
+            params = _load(params_file or Path("params.yaml"))
+        report, warning = gate_against_lineage(engine_dir, params.gates, data or Path(params.data.path), reference)
+    except KilnError as err:
+        _fail(err)
+    if warning:
+        render.note(warning)
+    render.gate_report(report)
+    if not report.passed:
+        _fail(GateFailed("; ".join(report.failures()), report))
+    render.console.print("[bold green]all gates passed[/]")
+
+
+@app.command()
+def promote(
+    params_file: ParamsOption = Path("params.yaml"),
+    to_alias: Annotated[str, typer.Option("--to", help="alias to set")] = "champion",
+    from_alias: Annotated[str, typer.Option("--from", help="alias whose version to take")] = "challenger",
+    version: Annotated[str | None, typer.Option(help="a version number instead of --from")] = None,
+) -> None:
+    """Move an alias (default: champion to the current challenger)."""
+    from registry import promote as promote_version
+    from registry import registry_target
+
+    try:
+        params = _load(params_file)
+        info = promote_version(registry_target(params.registry, Path.cwd()), to_alias, from_alias, version)
+    except KilnError as err:
+        _fail(err)
+    render.console.print(f"{info.name}@{to_alias} → version {info.version}")
+
+
+@app.command()
+def bench(
+    json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
+    runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
+    precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time")] = "fp32,int8",
+    work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
+) -> None:
+    """Side-by-side generation benchmark: HF generate vs kiln engines (GPT-2-small shape)."""
+    _prepare_environment(Path.cwd())
+    from flows import bench as bm
+
+    setup = bm.BenchSetup(runs=runs)
+    try:
+        rows = bm.benchmark_rows(work, precisions.split(","), setup)
+    except KilnError as err:
+        _fail(err)
+    render.bench_rows(rows, setup)
+    if json_path is not None:
+        bm.write_json(rows, setup, json_path)
+        render.console.print(f"rows written to {json_path}")
+
+
+@app.command()
+def doctor() -> None:
+    """Which backends this machine can build and run, and why not."""
+    from components.runtime.availability import backend_statuses
+
+    render.backend_statuses(backend_statuses())
+
+
+@app.command()
+def up(
+    params_file: ParamsOption = Path("params.yaml"),
+    mlflow_port: int = 5000,
+    prefect_port: int = 4200,
+) -> None:
+    """Local MLflow server (the embedded SQLite store and artifacts) and Prefect server, for the UIs."""
+    from flows.servers import serve_uis
+
+    root = Path.cwd()
+    _prepare_environment(root)
+    try:
+        serve_uis(root, _load(params_file), mlflow_port, prefect_port)
+    except KilnError as err:
+        _fail(err)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""What a registered engine records about where it came from: the run's params, metrics,
+artifacts and the version tags of DESIGN.md's registry contract."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from components.calibrate import CalibrationSet
+from components.config import Params
+from components.engine_dir import EngineDir
+from components.export import ExportedOnnx
+from components.gates import GateReport
+from components.model_dir import TrainedModel
+from registry import DatasetRecord, RunRecord
+
+
+def version_tags(params: Params, engine: EngineDir, report: GateReport, git_commit: str) -> dict[str, str]:
+    manifest = engine.manifest
+    tags = {
+        "engine_sha256": manifest.engine_sha256,
+        "backend": manifest.backend,
+        "backend_version": manifest.backend_version,
+        "precision": manifest.precision,
+        "target": manifest.target,
+        "data_md5": manifest.lineage.data_md5,
+        "calibration_digest": manifest.lineage.calibration_digest or "none",
+        "source_model_sha256": manifest.lineage.source_model_sha256,
+        "onnx_sha256": manifest.lineage.onnx_sha256,
+        "precision_onnx_sha256": manifest.lineage.precision_onnx_sha256 or manifest.lineage.onnx_sha256,
+        "git_commit": git_commit,
+        "params_sha256": params.digest(),
+        "gates.passed": str(report.passed).lower(),
+    }
+    return tags | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()}
+
+
+def run_record(
+    params: Params,
+    model: TrainedModel,
+    onnx: ExportedOnnx,
+    engine: EngineDir,
+    report: GateReport,
+    report_dir: Path,
+    calibration: CalibrationSet | None,
+    git_commit: str,
+) -> RunRecord:
+    metrics = dict(report.flat_numbers())
+    metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
+    metrics["export.parity.decode_max_abs_diff"] = onnx.parity.decode_max_abs_diff
+    if model.eval_perplexity is not None:
+        metrics["train.eval_perplexity"] = model.eval_perplexity
+        metrics["train.uniform_perplexity"] = model.uniform_perplexity or 0.0
+    artifacts = {"gates": report_dir}
+    datasets = [DatasetRecord("corpus", engine.manifest.lineage.data_md5, str(Path(params.data.path).with_suffix(".dvc")), "training")]
+    if engine.manifest.lineage.calibration_digest and calibration is not None:
+        artifacts["calibration"] = calibration.path
+        manifest = calibration.manifest()
+        profile = {k: manifest[k] for k in ("samples", "buckets", "tokens", "decode_steps", "near_duplicates_removed")}
+        datasets.append(DatasetRecord("calibration", calibration.digest, str(calibration.path), "calibration", profile))
+    return RunRecord(
+        params=_flatten(params.model_dump(mode="json")),
+        metrics=metrics,
+        version_tags=version_tags(params, engine, report, git_commit),
+        artifacts=artifacts,
+        step_metrics={"train.loss": list(model.loss_curve)} if model.loss_curve else {},
+        datasets=tuple(datasets),
+    )
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{name}.")
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+def git_commit(root: Path) -> str:
+    """The project's commit, for the `git_commit` tag; "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"

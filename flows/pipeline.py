@@ -1,0 +1,146 @@
+"""The retrain-and-rebuild flow: Prefect wiring around the components, the registry and
+the serving loader. Nothing here computes; it names tasks and passes values along.
+
+Stages are cached on content (data md5, model / ONNX / engine sha256, params) and on each
+stage's STAGE_VERSION, so a run with nothing changed reuses every stage and registers
+nothing new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from components.build import engine_from_onnx
+from components.calibrate import CalibrationSet, calibration_set_from_pool
+from components.config import Params, SampleParams
+from components.data import DataVersion, data_version_from_source
+from components.engine_dir import EngineDir
+from components.errors import GateFailed
+from components.export import ExportedOnnx, onnx_from_model
+from components.gates import GateReport, fastest_passing, gated_report_dir
+from components.model_dir import TrainedModel, model_from_directory
+from components.precision import precision_onnx
+from components.runtime.sampling import Sampling
+from components.runtime.tokenizer import EngineTokenizer
+from components.train import model_from_data
+from components.workspace import Workspace
+from flows.caching import task_cache_key
+from flows.lineage import git_commit, run_record
+from registry import CHALLENGER, Registration, RegistryTarget, preflight, promote, register_engine, registry_target
+from serving import loader
+
+
+def sample_from_registry(target: RegistryTarget, version: str, wanted: SampleParams, cache_root: Path) -> str:
+    """The prompt and a seeded completion by the registered engine, pulled back from the
+    registry through the serving loader (verified against the version's tags)."""
+    pulled = loader.pull_version(target, version, cache_root)
+    sampling = Sampling(max_new_tokens=wanted.max_tokens, temperature=wanted.temperature, top_p=wanted.top_p, seed=wanted.seed)
+    tokenizer = EngineTokenizer(pulled.engine_dir.path)
+    with loader.load(pulled) as engine:
+        ids = engine.generate([tokenizer.encode(wanted.prompt)], sampling)[0]
+    return wanted.prompt + tokenizer.decode(ids)
+
+
+def _cached(fn, name: str, **options):
+    return task(name=name, cache_key_fn=task_cache_key, persist_result=True, **options)(fn)
+
+
+version_data = task(name="version-data", retries=1)(data_version_from_source)
+train_model = _cached(model_from_data, "train-model")
+load_pretrained = task(name="load-model")(model_from_directory)
+export_onnx = _cached(onnx_from_model, "export-onnx")
+curate_calibration = _cached(calibration_set_from_pool, "curate-calibration-set")
+convert_precision = _cached(precision_onnx, "precision-onnx")
+build_engine = _cached(engine_from_onnx, "build-engine")
+gate_engine = _cached(gated_report_dir, "gate-engine")
+register = task(name="register-engine", retries=1, retry_delay_seconds=2)(register_engine)
+set_challenger = task(name="alias-challenger", retries=1, retry_delay_seconds=2)(promote)
+sample = task(name="sample-completion")(sample_from_registry)
+
+
+@dataclass(frozen=True)
+class EngineOutcome:
+    """One precision's engine: what was built, how it gated, where it was registered."""
+
+    precision: str
+    engine: EngineDir
+    report: GateReport
+    registration: Registration
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    outcomes: tuple[EngineOutcome, ...]
+    challenger: EngineOutcome | None
+    model: TrainedModel
+    data: DataVersion
+    calibration: CalibrationSet | None
+    sample: str | None
+
+    @property
+    def failed(self) -> tuple[EngineOutcome, ...]:
+        return tuple(o for o in self.outcomes if not o.report.passed)
+
+
+@flow(name="retrain-and-rebuild")
+def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = None) -> PipelineResult:
+    """data → train → export → calibrate → (precision → build → gates → register) per
+    precision → challenger on the fastest engine that passed → sample. `model_dir` skips training."""
+    workspace = Workspace(root)
+    target = registry_target(params.registry, root)
+    preflight(target)
+    data = version_data(params.data, root)
+    if model_dir is not None:
+        model = load_pretrained(model_dir)
+    else:
+        model = train_model(data, params.model, workspace.stage_dir("models"))
+    onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
+    calibration = None
+    if "int8" in params.precision.build:
+        calibration = curate_calibration(data, model.path, params.build.profiles, params.calibration, workspace.stage_dir("calibration"))
+    outcomes = tuple(
+        _engine_for(precision, params, model, onnx, data, calibration, workspace, target) for precision in params.precision.build
+    )
+    challenger = fastest_passing(outcomes, lambda outcome: outcome.report)
+    if challenger is not None:
+        set_challenger(target, CHALLENGER, version=challenger.registration.version)
+    text = sample(target, challenger.registration.version, params.sample, workspace.serving_cache) if challenger else None
+    result = PipelineResult(outcomes, challenger, model, data, calibration, text)
+    if result.failed:
+        failures = "; ".join(f"{o.precision} (version {o.registration.version}): " + ", ".join(o.report.failures()) for o in result.failed)
+        raise GateFailed(f"gates failed for {failures}", result)
+    return result
+
+
+def _engine_for(
+    precision: str,
+    params: Params,
+    model: TrainedModel,
+    onnx: ExportedOnnx,
+    data: DataVersion,
+    calibration: CalibrationSet | None,
+    workspace: Workspace,
+    target: RegistryTarget,
+) -> EngineOutcome:
+    graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
+    engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"))
+    report, report_dir = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
+    _publish_report(precision, report)
+    record = run_record(params, model, onnx, engine, report, report_dir, calibration, git_commit(workspace.root))
+    registration = register(target, engine.path, engine.sha256, record)
+    return EngineOutcome(precision, engine, report, registration)
+
+
+def _publish_report(precision: str, report: GateReport) -> None:
+    create_markdown_artifact(report.to_markdown(), key=f"gate-report-{precision}", description=f"Gates of the {precision} engine")
+    rows = [
+        {"gate": gate.name, "measure": measure, "value": round(value, 6), "passed": gate.passed}
+        for gate in report.gates
+        for measure, value in gate.measured.items()
+    ]
+    create_table_artifact(rows, key=f"gate-numbers-{precision}", description=f"Every number the gates measured, {precision}")
+    get_run_logger().info("%s gates %s", precision, "passed" if report.passed else "FAILED: " + "; ".join(report.failures()))

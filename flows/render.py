@@ -1,0 +1,95 @@
+"""What the CLI shows people: rich tables for results, reports, benchmarks and backends.
+
+Values in, text out: nothing here computes or decides.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from components.errors import KilnError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def error(err: KilnError) -> None:
+    err_console.print(f"[bold red]error:[/] {' '.join(str(err).split())}", highlight=False, soft_wrap=True)
+
+
+def note(text: str) -> None:
+    err_console.print(f"[yellow]note:[/] {text}", highlight=False)
+
+
+def gate_report(report) -> None:
+    """Every measured number of every gate, with its limit; a failed gate's rows in red."""
+    from components.gates import limit_text
+
+    table = Table(title="gates", show_lines=False)
+    for column in ("gate", "measure", "value", "limit"):
+        table.add_column(column)
+    for gate in report.gates:
+        for measure, value in gate.measured.items():
+            style = "" if gate.passed else "red"
+            table.add_row(gate.name, measure, f"{value:.6g}", limit_text(measure, gate.thresholds), style=style)
+    console.print(table)
+
+
+def pipeline_result(result) -> None:
+    """The table `kiln run` ends with: one row per engine, then challenger, model and sample."""
+    backends = sorted({o.engine.manifest.backend for o in result.outcomes})
+    table = Table(title=f"engines built in this run ({', '.join(backends)})")
+    for column in ("precision", "top-1", "ppl Δ%", "p50 ms", "p95 ms", "gates", "version"):
+        table.add_column(column, justify="left" if column in ("precision", "gates", "version") else "right")
+    for outcome in result.outcomes:
+        quality, latency = outcome.report.gate("quality").measured, outcome.report.gate("latency").measured
+        reg = outcome.registration
+        alias = " @challenger" if result.challenger is outcome else ""
+        table.add_row(
+            outcome.precision,
+            f"{quality['top1_agreement']:.4f}",
+            f"{quality['ppl_increase_pct']:+.3f}",
+            f"{latency['p50_ms']:.1f}",
+            f"{latency['p95_ms']:.1f}",
+            "[green]passed[/]" if outcome.report.passed else "[red]FAILED[/]",
+            f"{reg.version} {'new' if reg.created else 'unchanged'}{alias}",
+        )
+    console.print(table)
+    for outcome in result.failed:
+        console.print(f"[red]{outcome.precision} failed:[/] " + "; ".join(outcome.report.failures()))
+    if result.challenger is not None:
+        reg = result.challenger.registration
+        state = "registered" if reg.created else "unchanged (same engine sha256 already registered)"
+        console.print(f"[bold green]{reg.name} version {reg.version} @challenger[/] ({result.challenger.precision}) — {state}")
+        console.print(f"  engine sha256 {result.challenger.engine.sha256[:16]}…  data {result.data.md5}")
+    if result.model.eval_perplexity is not None:
+        console.print(
+            f"  model eval perplexity {result.model.eval_perplexity:.2f} (uniform guess {result.model.uniform_perplexity:.0f})"
+        )
+    console.print("  see it in the MLflow UI: [bold]kiln up[/] → http://127.0.0.1:5000")
+    if result.sample is not None:
+        console.print("[bold]sample completion[/] (challenger engine downloaded from the registry):")
+        console.print(f"  {result.sample!r}", highlight=False)
+
+
+def bench_rows(rows, setup) -> None:
+    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch 1, GPT-2-small shape (124M)")
+    for column in ("name", "median ms", "ms / token", "speed-up vs HF"):
+        table.add_column(column, justify="left" if column == "name" else "right")
+    for row in rows:
+        table.add_row(row.name, f"{row.median_ms:.0f}", f"{row.ms_per_token:.2f}", f"{row.speedup_vs_hf:.2f}×")
+    console.print(table)
+
+
+def backend_statuses(statuses) -> None:
+    table = Table(title="backends on this machine")
+    for column in ("backend", "build", "run", "details"):
+        table.add_column(column)
+    for status in statuses:
+        table.add_row(status.backend, _yes_no(status.can_build), _yes_no(status.can_run), status.details)
+    console.print(table)
+
+
+def _yes_no(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]no[/]"

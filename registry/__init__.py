@@ -1,0 +1,34 @@
+"""Everything MLflow: records, register, tag, alias, resolve, download. The only package
+that imports mlflow; of kiln's components it knows nothing but errors."""
+
+from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
+from registry.store import (
+    CHALLENGER,
+    CHAMPION,
+    download_version,
+    find_version_by_sha256,
+    get_version,
+    preflight,
+    promote,
+    register_engine,
+    resolve_alias,
+)
+from registry.target import registry_target
+
+__all__ = [
+    "CHALLENGER",
+    "CHAMPION",
+    "DatasetRecord",
+    "Registration",
+    "RegistryTarget",
+    "RunRecord",
+    "VersionInfo",
+    "download_version",
+    "find_version_by_sha256",
+    "get_version",
+    "preflight",
+    "promote",
+    "register_engine",
+    "registry_target",
+    "resolve_alias",
+]

@@ -1,0 +1,58 @@
+"""The registry's vocabulary as plain values: where the registry is, what a registration
+logs, and what a version is. Callers build these; only `registry.store` talks to MLflow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RegistryTarget:
+    tracking_uri: str
+    model_name: str
+    experiment: str
+    # Where a new experiment keeps artifacts (the embedded store's local folder); None lets
+    # the tracking server decide.
+    artifact_root: Path | None = None
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """A dataset the run consumed, logged as an MLflow dataset input."""
+
+    name: str
+    digest: str
+    source: str
+    context: str  # "training", "calibration", ...
+    profile: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What one registration logs to its MLflow run besides the engine itself."""
+
+    params: dict[str, str]
+    metrics: dict[str, float]
+    version_tags: dict[str, str]
+    artifacts: dict[str, Path] = field(default_factory=dict)  # artifact path → local dir or file
+    step_metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    datasets: tuple[DatasetRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    version: str
+    run_id: str | None
+    created: bool
+    aliases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    name: str
+    version: str
+    tags: dict[str, str]
+    aliases: tuple[str, ...]
+    run_id: str | None

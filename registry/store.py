@@ -1,0 +1,228 @@
+"""The MLflow model registry as kiln uses it.
+
+One engine is one model version, its source the engine directory logged as a run artifact
+(`create_model_version`: in MLflow 3, `register_model("runs:/…")` wants a logged model).
+Registration is idempotent by the `engine_sha256` tag and all-or-nothing: a failure after
+the version exists deletes it again, so no half-registered version is left behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from components.errors import RegistryError
+from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
+
+CHALLENGER = "challenger"
+CHAMPION = "champion"
+ENGINE_ARTIFACT = "engine"
+
+
+def _client(target: RegistryTarget):
+    import logging
+
+    from mlflow import MlflowClient
+
+    # "Creating initial MLflow database tables..." on every new client says nothing to users.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
+    return MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
+
+
+def preflight(target: RegistryTarget, timeout_s: float = 5.0) -> None:
+    """Fail fast, before any training, when the tracking store cannot be reached.
+
+    MLflow's own client retries an unreachable server for minutes before it gives up.
+    """
+    uri = target.tracking_uri
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+                if response.status != 200:
+                    raise RegistryError(f"MLflow tracking server {uri} answered /health with {response.status}")
+        except (urllib.error.URLError, OSError) as err:
+            raise RegistryError(f"MLflow tracking server {uri} is unreachable: {getattr(err, 'reason', err)}") from err
+    elif uri.startswith("sqlite:///"):
+        database = Path(uri.removeprefix("sqlite:///"))
+        try:
+            database.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RegistryError(f"cannot create the MLflow store folder {database.parent}: {err}") from err
+
+
+def _experiment_id(client, target: RegistryTarget) -> str:
+    experiment = client.get_experiment_by_name(target.experiment)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = target.artifact_root.resolve().as_uri() if target.artifact_root else None
+    return client.create_experiment(target.experiment, artifact_location=location)
+
+
+def find_version_by_sha256(target: RegistryTarget, sha256: str) -> VersionInfo | None:
+    """The version already registered for this engine file, if any."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    try:
+        versions = client.search_model_versions(f"name='{target.model_name}' and tags.engine_sha256='{sha256}'")
+    except MlflowException as err:
+        raise RegistryError(f"cannot search the registry at {target.tracking_uri}: {err.message}") from err
+    if not versions:
+        return None
+    return _version_info(client, target.model_name, min(versions, key=lambda v: int(v.version)).version)
+
+
+def _version_info(client, name: str, version: str) -> VersionInfo:
+    # search_model_versions() returns empty aliases (MLflow bug): read them from the model.
+    mv = client.get_model_version(name, version)
+    aliases = tuple(a for a, v in client.get_registered_model(name).aliases.items() if str(v) == str(version))
+    return VersionInfo(name=name, version=str(mv.version), tags=dict(mv.tags), aliases=aliases, run_id=mv.run_id)
+
+
+def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str, record: RunRecord) -> Registration:
+    """Log a run and create the model version (no alias: see `promote`)."""
+    from mlflow.exceptions import MlflowException
+
+    existing = find_version_by_sha256(target, engine_sha256)
+    if existing is not None:
+        return Registration(target.model_name, existing.version, existing.run_id, created=False, aliases=existing.aliases)
+    client = _client(target)
+    run_id = version = None
+    try:
+        run_id = client.create_run(_experiment_id(client, target), run_name=f"engine-{engine_sha256[:12]}").info.run_id
+        _log_run(client, run_id, engine_dir, record)
+        _ensure_registered_model(client, target.model_name)
+        source = f"{client.get_run(run_id).info.artifact_uri}/{ENGINE_ARTIFACT}"
+        version = client.create_model_version(
+            target.model_name, source=source, run_id=run_id, tags=record.version_tags | {"engine_sha256": engine_sha256}
+        ).version
+        client.set_terminated(run_id, "FINISHED")
+    except (MlflowException, OSError) as err:
+        _roll_back(client, target.model_name, run_id, version)
+        message = err.message if isinstance(err, MlflowException) else str(err)
+        raise RegistryError(f"registering {engine_dir} in {target.tracking_uri} failed, nothing kept: {message}") from err
+    except BaseException:
+        _roll_back(client, target.model_name, run_id, version)
+        raise
+    return Registration(target.model_name, str(version), run_id, created=True, aliases=())
+
+
+def _log_run(client, run_id: str, engine_dir: Path, record: RunRecord) -> None:
+    import time
+
+    from mlflow.entities import Metric, Param
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(k, float(v), now, 0) for k, v in record.metrics.items()]
+    metrics += [Metric(k, float(v), now, step) for k, points in record.step_metrics.items() for step, v in points]
+    params = [Param(k, str(v)[:6000]) for k, v in record.params.items()]
+    for start in range(0, max(len(metrics), len(params)), 100):  # log_batch takes ≤ 100 params a call
+        client.log_batch(run_id, metrics=metrics[start : start + 100], params=params[start : start + 100])
+    if record.datasets:
+        client.log_inputs(run_id, datasets=[_dataset_input(d) for d in record.datasets])
+    client.log_artifacts(run_id, str(engine_dir), ENGINE_ARTIFACT)
+    for artifact_path, local in record.artifacts.items():
+        if local.is_dir():
+            client.log_artifacts(run_id, str(local), artifact_path)
+        else:
+            client.log_artifact(run_id, str(local), artifact_path)
+
+
+def _dataset_input(record: DatasetRecord):
+    import json
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = Dataset(
+        name=record.name,
+        digest=record.digest[:36],  # MLflow's digest column holds 36 characters
+        source_type="local",
+        source=json.dumps({"uri": record.source}),
+        profile=json.dumps(record.profile),
+    )
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", record.context)])
+
+
+def _ensure_registered_model(client, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="Engines built and gated by kiln.")
+
+
+def _roll_back(client, name: str, run_id: str | None, version: str | None) -> None:
+    """Undo a partial registration; best effort, since the store itself may be what failed."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if version is not None:
+            client.delete_model_version(name, version)
+        if run_id is not None:
+            client.set_terminated(run_id, "FAILED")
+    except MlflowException:
+        pass
+
+
+# ---------------------------------------------------------------- aliases and downloads
+
+
+def resolve_alias(target: RegistryTarget, alias: str) -> VersionInfo:
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    try:
+        version = client.get_model_version_by_alias(target.model_name, alias).version
+    except MlflowException as err:
+        raise RegistryError(f"{target.model_name}@{alias} does not resolve in {target.tracking_uri}: {err.message}") from err
+    return _version_info(client, target.model_name, version)
+
+
+def promote(target: RegistryTarget, to_alias: str = CHAMPION, from_alias: str = CHALLENGER, version: str | None = None) -> VersionInfo:
+    """Point `to_alias` at `version` (default: the version `from_alias` names). The flow
+    uses it to set `challenger`, a person (`kiln promote`) to set `champion`.
+
+    Refuses a version whose gates did not pass: kiln never aliases such a version.
+    """
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    info = resolve_alias(target, from_alias) if version is None else get_version(target, version)
+    if info.tags.get("gates.passed") != "true":
+        raise RegistryError(f"{target.model_name} version {info.version} did not pass its gates; not aliasing it {to_alias}")
+    try:
+        client.set_registered_model_alias(target.model_name, to_alias, info.version)
+    except MlflowException as err:
+        raise RegistryError(f"cannot set {target.model_name}@{to_alias}: {err.message}") from err
+    return _version_info(client, target.model_name, info.version)
+
+
+def get_version(target: RegistryTarget, version: str) -> VersionInfo:
+    """One version's tags and aliases; RegistryError naming it when there is no such version."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _version_info(_client(target), target.model_name, version)
+    except MlflowException as err:
+        raise RegistryError(f"{target.model_name} has no version {version}: {err.message}") from err
+
+
+def download_version(target: RegistryTarget, version: str, destination: Path) -> Path:
+    """Download `models:/<name>/<version>` (a pinned version, so no alias can move mid-way)."""
+    import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
+
+    shutil.rmtree(destination, ignore_errors=True)
+    destination.mkdir(parents=True)
+    try:
+        # The version's own source URI: `models:/` URIs would resolve through the global
+        # registry URI rather than this target's.
+        source = _client(target).get_model_version_download_uri(target.model_name, version)
+        path = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(destination), tracking_uri=target.tracking_uri)
+    except (MlflowException, OSError) as err:
+        raise RegistryError(f"cannot download {target.model_name} version {version}: {err}") from err
+    return Path(path)
