@@ -50,6 +50,17 @@ class CalibrationSet:
     def content_digest(self) -> str:
         return self.digest
 
+    @property
+    def output_dir(self) -> Path:
+        return self.path
+
+    def is_intact(self) -> bool:
+        """Still on disk and unchanged since it was made (a cached result may outlive its files)."""
+        try:
+            return (self.path / SAMPLES).is_file() and self.manifest()["digest"] == self.digest
+        except (OSError, ValueError, KeyError):
+            return False
+
     def manifest(self) -> dict:
         return json.loads((self.path / MANIFEST).read_text())
 

@@ -252,9 +252,35 @@ class Params(_Section):
     registry: RegistryParams = RegistryParams()
     sample: SampleParams = SampleParams()
 
+    @model_validator(mode="after")
+    def _shapes_fit(self) -> Params:
+        """What can be known before any work: every length the pipeline will ask of an engine
+        fits its profiles, and the profiles fit the model's context (for a model trained
+        here; a pretrained model's context is checked once it is loaded)."""
+        problems = shape_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
     def digest(self) -> str:
         """sha256 of the canonical JSON of every parameter (the `params_sha256` tag)."""
         return section_digest(self)
+
+
+def shape_problems(params: Params) -> list[str]:
+    profiles, latency, quality = params.build.profiles, params.gates.latency, params.gates.quality
+    context = profiles.context.max
+    checks = [
+        (profiles.prompt.max < context, f"build.profiles.prompt.max ({profiles.prompt.max}) must be below build.profiles.context.max ({context}) so a longest prompt can still generate"),
+        (quality.sequence_length <= profiles.prompt.max, f"gates.quality.sequence_length ({quality.sequence_length}) exceeds build.profiles.prompt.max ({profiles.prompt.max})"),
+        (latency.prompt_tokens <= profiles.prompt.max, f"gates.latency.prompt_tokens ({latency.prompt_tokens}) exceeds build.profiles.prompt.max ({profiles.prompt.max})"),
+        (latency.prompt_tokens + latency.new_tokens <= context, f"gates.latency.prompt_tokens + new_tokens ({latency.prompt_tokens + latency.new_tokens}) exceeds build.profiles.context.max ({context})"),
+        (params.sample.max_tokens < context, f"sample.max_tokens ({params.sample.max_tokens}) leaves no room for a prompt in build.profiles.context.max ({context})"),
+    ]
+    if params.model.pretrained is None:
+        n_positions = params.model.architecture.n_positions
+        checks.append((context <= n_positions, f"build.profiles.context.max ({context}) is longer than the model's context, model.architecture.n_positions ({n_positions})"))
+    return [message for ok, message in checks if not ok]
 
 
 def section_digest(section: BaseModel) -> str:
@@ -287,4 +313,6 @@ def _describe_one(error: dict) -> str:
     where = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         return f"{where}: unknown key"
+    if not where:  # a check across sections: its message names the keys
+        return str(error["msg"]).removeprefix("Value error, ")
     return f"{where}: {error['msg']} (got {error.get('input')!r})"

@@ -100,6 +100,17 @@ class EngineDir:
     def content_digest(self) -> str:
         return self.sha256
 
+    @property
+    def output_dir(self) -> Path:
+        return self.path
+
+    def is_intact(self) -> bool:
+        """Still on disk and unchanged since it was made (a cached result may outlive its files)."""
+        try:
+            return load_engine_dir(self.path).sha256 == self.sha256
+        except EngineError:
+            return False
+
 
 def write_manifest(path: Path, manifest: EngineManifest) -> None:
     (path / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")

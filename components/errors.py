@@ -41,7 +41,7 @@ class RegistryError(KilnError):
     """The model registry is unreachable or refused an operation."""
 
 
-class VersionRefused(KilnError):
+class VersionRefused(RegistryError):
     """A registered version failed a loader check (gates, sha256, engine.json, backend) and is not served."""
 
 

@@ -68,6 +68,14 @@ class ExportedOnnx:
     def content_digest(self) -> str:
         return self.sha256
 
+    @property
+    def output_dir(self) -> Path:
+        return self.path.parent
+
+    def is_intact(self) -> bool:
+        """Still on disk and unchanged since it was made (a cached result may outlive its files)."""
+        return self.path.is_file() and file_sha256(self.path) == self.sha256
+
 
 def kv_layout_of(config) -> KVLayout:
     return KVLayout(

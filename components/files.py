@@ -4,6 +4,7 @@ registry key on) and atomic output directories (a crash never leaves half a stag
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _CHUNK = 1 << 20
+_PARTIAL = ".partial-"
 
 
 def file_sha256(path: Path) -> str:
@@ -36,9 +38,14 @@ def text_sha256(text: str) -> str:
 
 @contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
-    """A scratch directory beside `target` that becomes `target` only if the block succeeds."""
+    """A scratch directory beside `target` that becomes `target` only if the block succeeds.
+
+    The scratch folder's name carries this process's id, so a later process can tell the
+    leftovers of a killed one (`remove_abandoned_scratch`) from a build still running.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.partial-") as scratch:
+    prefix = f".{target.name}{_PARTIAL}{os.getpid()}-"
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=prefix) as scratch:
         staging = Path(scratch) / "out"
         staging.mkdir()
         yield staging
@@ -46,13 +53,39 @@ def atomic_directory(target: Path) -> Iterator[Path]:
         staging.rename(target)
 
 
+def remove_abandoned_scratch(directory: Path) -> list[Path]:
+    """Delete the scratch folders in `directory` whose process is gone (killed mid-stage);
+    returns what was removed."""
+    removed = []
+    for scratch in directory.glob(f".*{_PARTIAL}*"):
+        owner = scratch.name.rpartition(_PARTIAL)[2].partition("-")[0]
+        if owner.isdigit() and not process_alive(int(owner)):
+            shutil.rmtree(scratch, ignore_errors=True)
+            removed.append(scratch)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process of this id runs on this machine (a recycled id reads as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 def stage_output(target: Path, complete_marker: str, build: Callable[[Path], None]) -> Path:
     """The stage output folder `target`, built unless it is already complete.
 
     Complete means `complete_marker`, the file the stage writes last, is there. `build`
     fills a scratch folder beside `target`, renamed into place only when `build` returns,
-    so an interrupted stage never leaves half an output under the final name.
+    so an interrupted stage never leaves half an output under the final name; the scratch
+    left by a killed process is removed here, the next time the stage runs.
     """
+    if target.parent.is_dir():
+        remove_abandoned_scratch(target.parent)
     if not (target / complete_marker).is_file():
         with atomic_directory(target) as staging:
             build(staging)

@@ -259,13 +259,28 @@ def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[st
         return gate_report(engine, load_model(reference_path), eval_texts, params)
 
 
-def gated_report_dir(engine: EngineDir, model: TrainedModel, data: DataVersion, params: GateParams, out_root: Path) -> tuple[GateReport, Path]:
+@dataclass(frozen=True)
+class GatedEngine:
+    """The gate stage's output: the report and the folder holding its files."""
+
+    report: GateReport
+    directory: Path
+
+    @property
+    def output_dir(self) -> Path:
+        return self.directory
+
+    def is_intact(self) -> bool:
+        return (self.directory / "report.json").is_file()
+
+
+def gated_engine(engine: EngineDir, model: TrainedModel, data: DataVersion, params: GateParams, out_root: Path) -> GatedEngine:
     """The pipeline's gate stage: an engine against the model it was built from on the data's
     eval split; the report (JSON, markdown, latency plot) lands in a folder named by the engine."""
     report = gate_engine_dir(engine.path, model.path, data.texts("eval"), params)
     directory = out_root / f"v{STAGE_VERSION}-{engine.sha256[:16]}"
     write_report(report, directory)
-    return report, directory
+    return GatedEngine(report, directory)
 
 
 def gate_against_lineage(engine_path: Path, params: GateParams, data_dir: Path, reference: Path | None = None) -> tuple[GateReport, str | None]:

@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.errors import TrainError
+from components.config import ProfileParams, SampleParams
+from components.errors import ConfigError, TrainError
 from components.files import directory_sha256
 
 TRAINING_RECORD = "kiln_training.json"
@@ -29,6 +30,14 @@ class TrainedModel:
     @property
     def content_digest(self) -> str:
         return self.sha256
+
+    @property
+    def output_dir(self) -> Path:
+        return self.path
+
+    def is_intact(self) -> bool:
+        """Still on disk and unchanged since it was made (a cached result may outlive its files)."""
+        return self.path.is_dir() and directory_sha256(self.path) == self.sha256
 
 
 def model_from_directory(path: Path) -> TrainedModel:
@@ -86,3 +95,25 @@ def _read_record(path: Path) -> dict:
         return json.loads((path / TRAINING_RECORD).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def check_fits_model(model: TrainedModel, profiles: ProfileParams, sample: SampleParams) -> None:
+    """What params.yaml asks of a model, checked once the model exists and before any export
+    or registration: the build profiles fit its context (`n_positions`), and the sample
+    prompt, in its tokens, fits the profiles. ConfigError naming the keys otherwise."""
+    from components.runtime.tokenizer import EngineTokenizer
+
+    n_positions = json.loads((model.path / "config.json").read_text()).get("n_positions")
+    if n_positions is not None and profiles.context.max > n_positions:
+        raise ConfigError(
+            f"build.profiles.context.max ({profiles.context.max}) is longer than the context of {model.path} (n_positions {n_positions})"
+        )
+    prompt_tokens = len(EngineTokenizer(model.path).encode(sample.prompt))
+    if not profiles.prompt.min <= prompt_tokens <= profiles.prompt.max:
+        raise ConfigError(
+            f"sample.prompt is {prompt_tokens} tokens; build.profiles.prompt admits {profiles.prompt.min}..{profiles.prompt.max}"
+        )
+    if prompt_tokens + sample.max_tokens > profiles.context.max:
+        raise ConfigError(
+            f"sample.prompt ({prompt_tokens} tokens) plus sample.max_tokens ({sample.max_tokens}) exceeds build.profiles.context.max ({profiles.context.max})"
+        )

@@ -42,6 +42,13 @@ class PrecisionOnnx:
     def content_digest(self) -> str:
         return self.onnx.sha256
 
+    @property
+    def output_dir(self) -> Path:
+        return self.onnx.output_dir
+
+    def is_intact(self) -> bool:
+        return self.onnx.is_intact()
+
 
 def precision_onnx(
     onnx: ExportedOnnx, precision: str, calibration: CalibrationSet | None, params: PrecisionParams, out_root: Path

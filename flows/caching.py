@@ -7,7 +7,8 @@ locations are plain Paths (keyed by where they point, which is what they mean).
 
 A key also carries the `STAGE_VERSION` of the module that defines the stage, the same
 constant that names the stage's output folder: one bump re-runs the stage and rebuilds
-its output.
+its output. A cached result is a record of files, not the files: it is reused only while
+its output is still there and unchanged (`CachedStage`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 
@@ -53,3 +56,23 @@ def _identity(value: Any) -> Any:
 def task_cache_key(context, parameters: dict[str, Any]) -> str:
     """A Prefect `cache_key_fn`."""
     return content_key(context.task.name, stage_version(context.task.fn), parameters)
+
+
+class CachedStage:
+    """A stage as a Prefect task cached on content, whose cached output is reused only if it
+    is intact (`is_intact()`: its folder is there and its recorded digest still matches).
+    Otherwise the leftover folder is removed and the stage runs again."""
+
+    def __init__(self, fn: Callable, name: str) -> None:
+        self.name = name
+        self.task = task(name=name, cache_key_fn=task_cache_key, persist_result=True)(fn)
+        self._rerun = self.task.with_options(refresh_cache=True)
+
+    def __call__(self, *args: Any) -> Any:
+        state = self.task(*args, return_state=True)
+        value = state.result()
+        if state.name != "Cached" or value.is_intact():
+            return value
+        get_run_logger().warning("%s: the cached output %s is gone or changed; running the stage again", self.name, value.output_dir)
+        shutil.rmtree(value.output_dir, ignore_errors=True)
+        return self._rerun(*args)

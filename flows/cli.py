@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +44,30 @@ def _fail(err: KilnError) -> None:
     raise typer.Exit(1 if isinstance(err, GateFailed) else 2)
 
 
+@contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """Every failure ends as one line: a KilnError's message (exit 1 for a gate, else 2), or
+    for anything kiln did not foresee its type and message (exit 2), with the traceback
+    kept in a file rather than spilled on the terminal."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except KilnError as err:
+        _fail(err)
+    except Exception as err:  # a library failure or a bug: still one line, traceback kept
+        _fail(KilnError(f"unexpected {type(err).__name__}: {err} (traceback in {_save_traceback()})"))
+
+
+def _save_traceback() -> Path:
+    import tempfile
+    import traceback
+
+    log = Path(tempfile.gettempdir()) / f"kiln-error-{os.getpid()}.txt"
+    log.write_text(traceback.format_exc())
+    return log
+
+
 @app.command()
 def run(
     params_file: ParamsOption = Path("params.yaml"),
@@ -64,27 +91,31 @@ def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool, from_m
     """`from_model`: skip training, using `model_dir` or else params' model.pretrained."""
     root = Path.cwd()
     _prepare_environment(root)
+    with _one_line_errors():
+        result = _pipeline(root, params_file, model_dir, fresh, from_model)
+    render.pipeline_result(result)
+
+
+def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool, from_model: bool):
+    """The flow's result; a failed gate prints the table, then fails with the numbers."""
+    from flows.pipeline import retrain_and_rebuild
+
+    params = _load(params_file)
+    if from_model:
+        model_dir = _model_to_build(model_dir, params)
+    if fresh:
+        import shutil
+
+        from components.workspace import Workspace
+
+        shutil.rmtree(Workspace(root).state / "stages", ignore_errors=True)
+        os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+    _hide_kiln_tracebacks()
     try:
-        params = _load(params_file)
-        if from_model:
-            model_dir = _model_to_build(model_dir, params)
-        if fresh:
-            import shutil
-
-            from components.workspace import Workspace
-
-            shutil.rmtree(Workspace(root).state / "stages", ignore_errors=True)
-            os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
-        from flows.pipeline import retrain_and_rebuild
-
-        _hide_kiln_tracebacks()
-        result = retrain_and_rebuild(params, root, model_dir)
+        return retrain_and_rebuild(params, root, model_dir)
     except GateFailed as err:
         render.pipeline_result(err.report)
-        _fail(err)
-    except KilnError as err:
-        _fail(err)
-    render.pipeline_result(result)
+        raise
 
 
 def _model_to_build(model_dir: Path | None, params) -> Path:
@@ -122,7 +153,7 @@ def gate(
 ) -> None:
     """Gate one engine directory; prints the report; exit 1 when a gate fails."""
     _prepare_environment(Path.cwd())
-    try:
+    with _one_line_errors():
         from components.config import Params
         from components.gates import gate_against_lineage
 
@@ -131,8 +162,6 @@ def gate(
         else:
             params = _load(params_file or Path("params.yaml"))
         report, warning = gate_against_lineage(engine_dir, params.gates, data or Path(params.data.path), reference)
-    except KilnError as err:
-        _fail(err)
     if warning:
         render.note(warning)
     render.gate_report(report)
@@ -152,11 +181,9 @@ def promote(
     from registry import promote as promote_version
     from registry import registry_target
 
-    try:
+    with _one_line_errors():
         params = _load(params_file)
         info = promote_version(registry_target(params.registry, Path.cwd()), to_alias, from_alias, version)
-    except KilnError as err:
-        _fail(err)
     render.console.print(f"{info.name}@{to_alias} → version {info.version}")
 
 
@@ -172,10 +199,8 @@ def bench(
     from flows import bench as bm
 
     setup = bm.BenchSetup(runs=runs)
-    try:
+    with _one_line_errors():
         rows = bm.benchmark_rows(work, precisions.split(","), setup)
-    except KilnError as err:
-        _fail(err)
     render.bench_rows(rows, setup)
     if json_path is not None:
         bm.write_json(rows, setup, json_path)
@@ -201,13 +226,14 @@ def up(
 
     root = Path.cwd()
     _prepare_environment(root)
-    try:
+    with _one_line_errors():
         serve_uis(root, _load(params_file), mlflow_port, prefect_port)
-    except KilnError as err:
-        _fail(err)
 
 
 def main() -> None:
+    # A TERM (a supervisor, `timeout`, Ctrl-C's cousin) unwinds like an exception, so a
+    # registration in progress is rolled back instead of left half-done.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         app()
     except KeyboardInterrupt:

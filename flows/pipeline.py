@@ -21,16 +21,16 @@ from components.data import DataVersion, data_version_from_source
 from components.engine_dir import EngineDir
 from components.errors import GateFailed
 from components.export import ExportedOnnx, onnx_from_model
-from components.gates import GateReport, fastest_passing, gated_report_dir
-from components.model_dir import TrainedModel, model_from_directory
+from components.gates import GateReport, fastest_passing, gated_engine
+from components.model_dir import TrainedModel, check_fits_model, model_from_directory
 from components.precision import precision_onnx
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from components.train import model_from_data
 from components.workspace import Workspace
-from flows.caching import task_cache_key
+from flows.caching import CachedStage
 from flows.lineage import git_commit, run_record
-from registry import CHALLENGER, Registration, RegistryTarget, preflight, promote, register_engine, registry_target
+from registry import CHALLENGER, Registration, RegistryTarget, aliases_of, preflight, promote, register_engine, registry_target
 from serving import loader
 
 
@@ -45,18 +45,15 @@ def sample_from_registry(target: RegistryTarget, version: str, wanted: SamplePar
     return wanted.prompt + tokenizer.decode(ids)
 
 
-def _cached(fn, name: str, **options):
-    return task(name=name, cache_key_fn=task_cache_key, persist_result=True, **options)(fn)
-
-
 version_data = task(name="version-data", retries=1)(data_version_from_source)
-train_model = _cached(model_from_data, "train-model")
+train_model = CachedStage(model_from_data, "train-model")
 load_pretrained = task(name="load-model")(model_from_directory)
-export_onnx = _cached(onnx_from_model, "export-onnx")
-curate_calibration = _cached(calibration_set_from_pool, "curate-calibration-set")
-convert_precision = _cached(precision_onnx, "precision-onnx")
-build_engine = _cached(engine_from_onnx, "build-engine")
-gate_engine = _cached(gated_report_dir, "gate-engine")
+check_params_against_model = task(name="check-params-against-model")(check_fits_model)
+export_onnx = CachedStage(onnx_from_model, "export-onnx")
+curate_calibration = CachedStage(calibration_set_from_pool, "curate-calibration-set")
+convert_precision = CachedStage(precision_onnx, "precision-onnx")
+build_engine = CachedStage(engine_from_onnx, "build-engine")
+gate_engine = CachedStage(gated_engine, "gate-engine")
 register = task(name="register-engine", retries=1, retry_delay_seconds=2)(register_engine)
 set_challenger = task(name="alias-challenger", retries=1, retry_delay_seconds=2)(promote)
 sample = task(name="sample-completion")(sample_from_registry)
@@ -75,7 +72,8 @@ class EngineOutcome:
 @dataclass(frozen=True)
 class PipelineResult:
     outcomes: tuple[EngineOutcome, ...]
-    challenger: EngineOutcome | None
+    challenger: EngineOutcome | None  # the engine this run chose
+    aliases: dict[str, str]  # alias → version as the registry has them after the run
     model: TrainedModel
     data: DataVersion
     calibration: CalibrationSet | None
@@ -98,6 +96,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
         model = load_pretrained(model_dir)
     else:
         model = train_model(data, params.model, workspace.stage_dir("models"))
+    check_params_against_model(model, params.build.profiles, params.sample)
     onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
     calibration = None
     if "int8" in params.precision.build:
@@ -109,7 +108,8 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     if challenger is not None:
         set_challenger(target, CHALLENGER, version=challenger.registration.version)
     text = sample(target, challenger.registration.version, params.sample, workspace.serving_cache) if challenger else None
-    result = PipelineResult(outcomes, challenger, model, data, calibration, text)
+    # Read back, not assumed: a concurrent run may have moved an alias since.
+    result = PipelineResult(outcomes, challenger, aliases_of(target), model, data, calibration, text)
     if result.failed:
         failures = "; ".join(f"{o.precision} (version {o.registration.version}): " + ", ".join(o.report.failures()) for o in result.failed)
         raise GateFailed(f"gates failed for {failures}", result)
@@ -128,9 +128,10 @@ def _engine_for(
 ) -> EngineOutcome:
     graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"))
-    report, report_dir = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
+    gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
+    report = gated.report
     _publish_report(precision, report)
-    record = run_record(params, model, onnx, engine, report, report_dir, calibration, git_commit(workspace.root))
+    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root))
     registration = register(target, engine.path, engine.sha256, record)
     return EngineOutcome(precision, engine, report, registration)
 

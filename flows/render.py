@@ -45,7 +45,7 @@ def pipeline_result(result) -> None:
     for outcome in result.outcomes:
         quality, latency = outcome.report.gate("quality").measured, outcome.report.gate("latency").measured
         reg = outcome.registration
-        alias = " @challenger" if result.challenger is outcome else ""
+        alias = "".join(f" @{name}" for name, version in sorted(result.aliases.items()) if version == reg.version)
         table.add_row(
             outcome.precision,
             f"{quality['top1_agreement']:.4f}",
@@ -63,6 +63,9 @@ def pipeline_result(result) -> None:
         state = "registered" if reg.created else "unchanged (same engine sha256 already registered)"
         console.print(f"[bold green]{reg.name} version {reg.version} @challenger[/] ({result.challenger.precision}) — {state}")
         console.print(f"  engine sha256 {result.challenger.engine.sha256[:16]}…  data {result.data.md5}")
+        now = result.aliases.get("challenger")
+        if now != reg.version:
+            console.print(f"[yellow]  challenger is now version {now}: another run moved it after this one[/]")
     if result.model.eval_perplexity is not None:
         console.print(
             f"  model eval perplexity {result.model.eval_perplexity:.2f} (uniform guess {result.model.uniform_perplexity:.0f})"

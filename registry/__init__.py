@@ -5,6 +5,7 @@ from registry.records import DatasetRecord, Registration, RegistryTarget, RunRec
 from registry.store import (
     CHALLENGER,
     CHAMPION,
+    aliases_of,
     download_version,
     find_version_by_sha256,
     get_version,
@@ -23,6 +24,7 @@ __all__ = [
     "RegistryTarget",
     "RunRecord",
     "VersionInfo",
+    "aliases_of",
     "download_version",
     "find_version_by_sha256",
     "get_version",

@@ -8,13 +8,21 @@ the version exists deletes it again, so no half-registered version is left behin
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+import socket
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from components.errors import RegistryError
+from components.files import process_alive
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
+from registry.target import is_embedded
+from registry.verify import check_gates, verify_download
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -22,14 +30,17 @@ ENGINE_ARTIFACT = "engine"
 
 
 def _client(target: RegistryTarget):
+    """A client for the target, after a health check: MLflow's own client retries an
+    unreachable server for minutes, so every verb that talks to the store fails fast here."""
     import logging
 
     from mlflow import MlflowClient
 
+    preflight(target)
     # "Creating initial MLflow database tables..." on every new client says nothing to users.
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-
-    return MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
+    with store_lock(target):  # a new client may create the schema: one process at a time
+        return MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
 
 
 def preflight(target: RegistryTarget, timeout_s: float = 5.0) -> None:
@@ -83,31 +94,102 @@ def _version_info(client, name: str, version: str) -> VersionInfo:
 
 
 def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str, record: RunRecord) -> Registration:
-    """Log a run and create the model version (no alias: see `promote`)."""
+    """Log a run and create the model version (no alias: see `promote`).
+
+    Idempotent by the `engine_sha256` tag and all-or-nothing: a failure (or SIGTERM) after
+    the run or version exists rolls both back, and a registration killed outright is
+    cleaned up by the next one (`_end_abandoned_runs`). Concurrent registrations of one
+    model are serialised (`store_lock`), and one that still finds a twin afterwards
+    (a tracking server the lock cannot reach) keeps the oldest version.
+    """
     from mlflow.exceptions import MlflowException
 
-    existing = find_version_by_sha256(target, engine_sha256)
-    if existing is not None:
-        return Registration(target.model_name, existing.version, existing.run_id, created=False, aliases=existing.aliases)
     client = _client(target)
-    run_id = version = None
-    try:
-        run_id = client.create_run(_experiment_id(client, target), run_name=f"engine-{engine_sha256[:12]}").info.run_id
-        _log_run(client, run_id, engine_dir, record)
-        _ensure_registered_model(client, target.model_name)
-        source = f"{client.get_run(run_id).info.artifact_uri}/{ENGINE_ARTIFACT}"
-        version = client.create_model_version(
-            target.model_name, source=source, run_id=run_id, tags=record.version_tags | {"engine_sha256": engine_sha256}
-        ).version
-        client.set_terminated(run_id, "FINISHED")
-    except (MlflowException, OSError) as err:
-        _roll_back(client, target.model_name, run_id, version)
-        message = err.message if isinstance(err, MlflowException) else str(err)
-        raise RegistryError(f"registering {engine_dir} in {target.tracking_uri} failed, nothing kept: {message}") from err
-    except BaseException:
-        _roll_back(client, target.model_name, run_id, version)
-        raise
-    return Registration(target.model_name, str(version), run_id, created=True, aliases=())
+    with store_lock(target):
+        _end_abandoned_runs(client, target)
+        existing = find_version_by_sha256(target, engine_sha256)
+        if existing is not None:
+            return Registration(target.model_name, existing.version, existing.run_id, created=False, aliases=existing.aliases)
+        run_id = None
+        try:
+            run_id = _create_run(client, target, engine_sha256)
+            _log_run(client, run_id, engine_dir, record)
+            _ensure_registered_model(client, target.model_name)
+            source = f"{client.get_run(run_id).info.artifact_uri}/{ENGINE_ARTIFACT}"
+            version = client.create_model_version(
+                target.model_name, source=source, run_id=run_id, tags=record.version_tags | {"engine_sha256": engine_sha256}
+            ).version
+            client.set_terminated(run_id, "FINISHED")
+        except (MlflowException, OSError) as err:
+            _roll_back(client, target.model_name, run_id, "FAILED")
+            message = err.message if isinstance(err, MlflowException) else str(err)
+            raise RegistryError(f"registering {engine_dir} in {target.tracking_uri} failed, nothing kept: {message}") from err
+        except BaseException:  # KeyboardInterrupt, SystemExit from SIGTERM
+            _roll_back(client, target.model_name, run_id, "KILLED")
+            raise
+    return _keep_oldest_twin(client, target, engine_sha256, str(version), run_id)
+
+
+@contextmanager
+def store_lock(target: RegistryTarget) -> Iterator[None]:
+    """Serialise writes to the embedded store: an advisory file lock beside the SQLite
+    database covers every process on the machine (MLflow's own schema creation and alias
+    updates race otherwise). Re-entrant within a process. A tracking server serialises
+    nothing, so there `_keep_oldest_twin` reconciles registrations after the fact."""
+    if not is_embedded(target):
+        yield
+        return
+    lock_file = Path(target.tracking_uri.removeprefix("sqlite:///")).with_suffix(".kiln-lock")
+    if lock_file in _held_locks:
+        _held_locks[lock_file] += 1
+        try:
+            yield
+        finally:
+            _held_locks[lock_file] -= 1
+        return
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        _held_locks[lock_file] = 1
+        try:
+            yield
+        finally:
+            del _held_locks[lock_file]
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_held_locks: dict[Path, int] = {}
+
+
+def _create_run(client, target: RegistryTarget, engine_sha256: str) -> str:
+    """A run tagged with who is registering, so a later registration can tell a run whose
+    process was killed from one still in progress."""
+    tags = {"kiln.host": socket.gethostname(), "kiln.pid": str(os.getpid())}
+    return client.create_run(_experiment_id(client, target), run_name=f"engine-{engine_sha256[:12]}", tags=tags).info.run_id
+
+
+def _end_abandoned_runs(client, target: RegistryTarget) -> None:
+    """Runs left RUNNING by a registration killed on this host (its process is gone) end
+    KILLED, and any version they created is deleted: the UI shows no run stuck RUNNING and
+    the registry no version without a finished run."""
+    experiment = client.get_experiment_by_name(target.experiment)
+    if experiment is None:
+        return
+    query = f"attributes.status = 'RUNNING' and tags.`kiln.host` = '{socket.gethostname()}'"
+    for run in client.search_runs([experiment.experiment_id], filter_string=query):
+        pid = run.data.tags.get("kiln.pid", "")
+        if pid.isdigit() and not process_alive(int(pid)):
+            _roll_back(client, target.model_name, run.info.run_id, "KILLED")
+
+
+def _keep_oldest_twin(client, target: RegistryTarget, engine_sha256: str, version: str, run_id: str) -> Registration:
+    """If another process registered the same engine meanwhile, the oldest version stays and
+    this one is deleted: one engine is one version whatever the interleaving."""
+    oldest = find_version_by_sha256(target, engine_sha256)
+    if oldest is not None and oldest.version != version:
+        _roll_back(client, target.model_name, run_id, "FAILED")
+        return Registration(target.model_name, oldest.version, oldest.run_id, created=False, aliases=oldest.aliases)
+    return Registration(target.model_name, version, run_id, created=True, aliases=())
 
 
 def _log_run(client, run_id: str, engine_dir: Path, record: RunRecord) -> None:
@@ -155,15 +237,17 @@ def _ensure_registered_model(client, name: str) -> None:
         client.create_registered_model(name, description="Engines built and gated by kiln.")
 
 
-def _roll_back(client, name: str, run_id: str | None, version: str | None) -> None:
-    """Undo a partial registration; best effort, since the store itself may be what failed."""
+def _roll_back(client, name: str, run_id: str | None, status: str) -> None:
+    """Undo a partial registration: delete every version the run created, end the run with
+    `status`. Best effort, since the store itself may be what failed."""
     from mlflow.exceptions import MlflowException
 
+    if run_id is None:
+        return
     try:
-        if version is not None:
-            client.delete_model_version(name, version)
-        if run_id is not None:
-            client.set_terminated(run_id, "FAILED")
+        for version in client.search_model_versions(f"name='{name}' and run_id='{run_id}'"):
+            client.delete_model_version(name, version.version)
+        client.set_terminated(run_id, status)
     except MlflowException:
         pass
 
@@ -186,19 +270,31 @@ def promote(target: RegistryTarget, to_alias: str = CHAMPION, from_alias: str = 
     """Point `to_alias` at `version` (default: the version `from_alias` names). The flow
     uses it to set `challenger`, a person (`kiln promote`) to set `champion`.
 
-    Refuses a version whose gates did not pass: kiln never aliases such a version.
+    Refuses, naming the check, a version whose gates did not pass or whose artifacts are
+    missing or do not match its engine_sha256 tag: kiln never aliases such a version.
     """
     from mlflow.exceptions import MlflowException
 
     client = _client(target)
     info = resolve_alias(target, from_alias) if version is None else get_version(target, version)
-    if info.tags.get("gates.passed") != "true":
-        raise RegistryError(f"{target.model_name} version {info.version} did not pass its gates; not aliasing it {to_alias}")
+    check_gates(info)
+    verify_download(info, lambda destination: download_version(target, info.version, destination))
     try:
-        client.set_registered_model_alias(target.model_name, to_alias, info.version)
+        with store_lock(target):
+            client.set_registered_model_alias(target.model_name, to_alias, info.version)
     except MlflowException as err:
         raise RegistryError(f"cannot set {target.model_name}@{to_alias}: {err.message}") from err
     return _version_info(client, target.model_name, info.version)
+
+
+def aliases_of(target: RegistryTarget) -> dict[str, str]:
+    """Every alias of the registered model and the version it names, as the store has them now."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return {alias: str(version) for alias, version in _client(target).get_registered_model(target.model_name).aliases.items()}
+    except MlflowException as err:
+        raise RegistryError(f"cannot read the aliases of {target.model_name}: {err.message}") from err
 
 
 def get_version(target: RegistryTarget, version: str) -> VersionInfo:

@@ -25,15 +25,18 @@ import pytest  # noqa: E402
 
 from components.config import (  # noqa: E402
     ArchitectureParams,
+    BuildParams,
     DataParams,
     GateParams,
     LatencyGateParams,
     ModelParams,
     Params,
     PrecisionParams,
+    ProfileParams,
     QualityGateParams,
     RegistryParams,
     SampleParams,
+    ShapeRange,
     TextFilesSource,
     TokenizerParams,
     TrainingParams,
@@ -59,6 +62,8 @@ def tiny_params(root: Path, **overrides) -> Params:
         registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name="kiln-tiny"),
         sample=SampleParams(prompt="The list", max_tokens=8),
         precision=PrecisionParams(build=["fp32"]),
+        # The tiny model's context is 128 positions: the profiles stay inside it.
+        build=BuildParams(profiles=ProfileParams(prompt=ShapeRange(min=1, opt=32, max=96), context=ShapeRange(min=2, opt=64, max=128))),
     )
     sections.update(overrides)
     return Params(**sections)

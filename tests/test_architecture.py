@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ROOMS = ("flows", "components", "registry", "serving")
 # What the registry and the serving side may use of components: contracts, not stages.
-CONTRACTS = {"components.engine_dir", "components.errors"}
+CONTRACTS = {"components.engine_dir", "components.errors", "components.files"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -106,3 +106,18 @@ def test_kiln_run_registers_a_challenger_prints_a_sample_and_a_second_run_regist
 
     promoted = kiln("promote", cwd=root)
     assert promoted.returncode == 0 and "kiln-tiny@champion → version 1" in promoted.stdout
+
+
+def test_an_unforeseen_exception_ends_as_one_line_with_exit_2_and_its_traceback_kept(capsys):
+    import typer
+
+    from flows.cli import _one_line_errors
+
+    with pytest.raises(typer.Exit) as stopped, _one_line_errors():
+        raise FileNotFoundError("/project/.kiln/stages/models/x/config.json")
+    assert stopped.value.exit_code == 2
+    line = capsys.readouterr().err.strip()
+    assert len(line.splitlines()) == 1
+    assert "unexpected FileNotFoundError: /project/.kiln/stages/models/x/config.json (traceback in" in line
+    kept = Path(line.rsplit("traceback in ", 1)[1].rstrip(")"))
+    assert "FileNotFoundError" in kept.read_text()

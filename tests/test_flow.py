@@ -93,3 +93,50 @@ def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_th
     assert contexts == {"corpus": {"training"}, "calibration": {"calibration"}}
     artifacts = {a.path for a in client.list_artifacts(int8.registration.run_id, "calibration")}
     assert "calibration/lengths.png" in artifacts
+
+
+def test_stage_outputs_deleted_behind_the_cache_are_rebuilt_not_reused(flow_project):
+    """Deleting `.kiln/stages/*` (by hand, or a killed `--fresh`) used to leave Prefect's cache
+    pointing at nothing: every stage `Cached`, then a FileNotFoundError."""
+    import shutil
+
+    params = tiny_params(flow_project)
+    first = retrain_and_rebuild(params, flow_project)
+    stages = flow_project / ".kiln" / "stages"
+    for folder in stages.iterdir():
+        shutil.rmtree(folder)
+
+    second = retrain_and_rebuild(params, flow_project)
+    assert second.challenger.report.passed
+    assert second.model.path.is_dir() and second.model.sha256 == first.model.sha256  # seeded training, rebuilt
+    assert second.challenger.engine.path.is_dir() and second.challenger.engine.is_intact()
+
+
+def test_a_changed_byte_in_a_cached_stage_output_is_noticed_and_the_stage_rebuilt(flow_project):
+    params = tiny_params(flow_project)
+    first = retrain_and_rebuild(params, flow_project)
+    engine_file = first.challenger.engine.engine_file
+    engine_file.write_bytes(engine_file.read_bytes() + b"tampered")
+
+    second = retrain_and_rebuild(params, flow_project)
+    assert second.challenger.engine.is_intact()
+    assert second.challenger.engine.sha256 == first.challenger.engine.sha256
+
+
+def test_a_sample_prompt_longer_than_the_profile_is_refused_before_anything_is_registered(flow_project):
+    from mlflow import MlflowClient
+
+    from components.config import SampleParams
+    from components.errors import ConfigError
+
+    base = tiny_params(flow_project)
+    params = base.model_copy(
+        update={
+            "sample": SampleParams(prompt="the list type " * 60, max_tokens=8),
+            "registry": base.registry.model_copy(update={"model_name": "kiln-long-prompt"}),
+        }
+    )
+    with pytest.raises(ConfigError, match=r"sample\.prompt is \d+ tokens; build\.profiles\.prompt admits 1\.\.96"):
+        retrain_and_rebuild(params, flow_project)
+    client = MlflowClient(registry_target(params.registry, flow_project).tracking_uri)
+    assert client.search_model_versions("name='kiln-long-prompt'") == []

@@ -1,0 +1,56 @@
+"""Is a downloaded version what the registry says it is?
+
+MLflow stores no checksum, so the version's own `engine_sha256` tag is the truth an engine
+file is checked against, not only the `engine.json` that travels with it: an artifact
+edited together with its manifest is still refused. Every consumer of a registered
+version (promote, the sample step, the serving loader) goes through here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from components.engine_dir import EngineDir, load_engine_dir
+from components.errors import EngineError, RegistryError, VersionRefused
+from registry.records import VersionInfo
+
+
+def check_gates(info: VersionInfo) -> None:
+    """Refuse a version whose gates did not pass: kiln never aliases or serves one."""
+    if info.tags.get("gates.passed") != "true":
+        raise VersionRefused(f"{_name(info)} is refused: it did not pass its gates (gates.passed tag {info.tags.get('gates.passed')!r})")
+
+
+def verified_engine_dir(info: VersionInfo, local: Path) -> EngineDir:
+    """The downloaded engine directory, checked against itself (engine.json readable, files
+    present, engine file sha256 as engine.json says) and against the version's tag."""
+    expected = info.tags.get("engine_sha256")
+    if not expected:
+        raise VersionRefused(f"{_name(info)} is refused: it has no engine_sha256 tag")
+    try:
+        engine_dir = load_engine_dir(local)
+    except EngineError as err:
+        raise VersionRefused(f"{_name(info)} is refused: {err}") from err
+    if engine_dir.sha256 != expected:
+        raise VersionRefused(
+            f"{_name(info)} is refused: its engine file has sha256 {engine_dir.sha256[:12]}…, "
+            f"the version's engine_sha256 tag says {expected[:12]}…"
+        )
+    return engine_dir
+
+
+def verify_download(info: VersionInfo, download: Callable[[Path], Path]) -> None:
+    """Download the version into a scratch folder with `download(destination) -> engine dir`
+    and verify it there; a version whose artifacts are gone is refused, naming that."""
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as scratch:
+        try:
+            local = download(Path(scratch) / "download")
+        except RegistryError as err:
+            raise VersionRefused(f"{_name(info)} is refused: its artifacts cannot be downloaded ({err})") from err
+        verified_engine_dir(info, local)
+
+
+def _name(info: VersionInfo) -> str:
+    return f"{info.name} version {info.version}"

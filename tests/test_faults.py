@@ -1,0 +1,238 @@
+"""Faults a hostile but fair user provokes: tampered or missing registry artifacts, runs
+killed mid-stage or mid-registration, registrations racing from two processes, params
+that cannot work, an unreachable tracking server. Each leaves nothing wrong behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from components.errors import ConfigError, RegistryError, VersionRefused
+from components.files import file_sha256
+from registry import CHALLENGER, CHAMPION, RegistryTarget, promote, register_engine, resolve_alias
+from serving import loader
+
+from .conftest import make_project, tiny_params
+from .test_registry import record, versions
+
+KILN = str(Path(sys.executable).parent / "kiln")
+
+
+def kiln(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([KILN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+
+
+def stored_engine(target: RegistryTarget, version: str) -> Path:
+    """The engine directory inside the registry's own artifact store (what a tamperer edits)."""
+    source = MlflowClient(target.tracking_uri).get_model_version(target.model_name, version).source
+    return Path(source.removeprefix("file://"))
+
+
+def tamper(engine: Path, also_manifest: bool) -> None:
+    """Change bytes of the engine file; optionally make engine.json agree with them."""
+    model = engine / "model.onnx"
+    model.write_bytes(model.read_bytes() + b"\0tampered")
+    if also_manifest:
+        manifest = json.loads((engine / "engine.json").read_text())
+        manifest["engine_sha256"] = file_sha256(model)
+        (engine / "engine.json").write_text(json.dumps(manifest))
+
+
+# ---------------------------------------------------------------- tampered and missing artifacts
+
+
+@pytest.mark.parametrize("also_manifest", [False, True], ids=["engine-file-only", "with-matching-engine-json"])
+def test_promote_refuses_a_version_whose_engine_file_was_changed_in_the_store(registry_target, engine_dir, also_manifest):
+    version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
+    tamper(stored_engine(registry_target, version), also_manifest)
+    with pytest.raises(VersionRefused, match=f"version {version} is refused: .*sha256"):
+        promote(registry_target, CHAMPION, version=version)
+    with pytest.raises(RegistryError, match="does not resolve"):
+        resolve_alias(registry_target, CHAMPION)
+
+
+def test_the_loader_refuses_a_tampered_engine_even_with_a_matching_engine_json(registry_target, engine_dir, tmp_path):
+    version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
+    tamper(stored_engine(registry_target, version), also_manifest=True)
+    with pytest.raises(VersionRefused, match=r"engine file has sha256 .*engine_sha256 tag says " + engine_dir.sha256[:12]):
+        loader.pull_version(registry_target, version, tmp_path / "cache")
+
+
+def test_the_loader_refuses_a_tampered_copy_in_its_own_cache(registry_target, engine_dir, tmp_path):
+    version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
+    pulled = loader.pull_version(registry_target, version, tmp_path / "cache")
+    tamper(pulled.engine_dir.path, also_manifest=True)
+    with pytest.raises(VersionRefused, match="engine_sha256 tag says"):
+        loader.pull_version(registry_target, version, tmp_path / "cache")
+
+
+def test_promote_refuses_a_version_whose_artifacts_are_gone(registry_target, engine_dir):
+    import shutil
+
+    version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
+    shutil.rmtree(stored_engine(registry_target, version))
+    with pytest.raises(VersionRefused, match=f"version {version} is refused"):
+        promote(registry_target, CHALLENGER, version=version)
+    with pytest.raises(RegistryError, match="does not resolve"):
+        resolve_alias(registry_target, CHALLENGER)
+
+
+# ---------------------------------------------------------------- registration under concurrency and kills
+
+RACER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from registry import RegistryTarget, register_engine, RunRecord
+    target = RegistryTarget(sys.argv[1], "kiln-race", "kiln-race", Path(sys.argv[2]))
+    go = Path(sys.argv[4])
+    while not go.exists():
+        time.sleep(0.005)
+    tags = {"gates.passed": "true"}
+    reg = register_engine(target, Path(sys.argv[3]), sys.argv[5], RunRecord(params={}, metrics={}, version_tags=tags))
+    print(reg.version, reg.created)
+    """
+)
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_racing_registrations_of_one_engine_from_three_processes_make_one_version(tmp_path, engine_dir, round_):
+    target = RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-race", "kiln-race", tmp_path / "artifacts")
+    go = tmp_path / "go"
+    args = [target.tracking_uri, str(target.artifact_root), str(engine_dir.path), str(go), engine_dir.sha256]
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    time.sleep(4)  # every racer has imported mlflow and waits at the line
+    go.touch()
+    outcomes = [racer.communicate(timeout=180) for racer in racers]
+    assert all(racer.returncode == 0 for racer in racers), [err[-2000:] for _, err in outcomes]
+    reported = [out.split() for out, _ in outcomes]
+    assert len(versions(target)) == 1
+    assert {version for version, _ in reported} == {str(versions(target)[0].version)}
+    assert sorted(created for _, created in reported) == ["False", "False", "True"]
+    runs = MlflowClient(target.tracking_uri).search_runs([MlflowClient(target.tracking_uri).get_experiment_by_name("kiln-race").experiment_id])
+    assert {run.info.status for run in runs} == {"FINISHED"}
+
+
+def test_a_registration_killed_outright_is_cleaned_up_by_the_next_one(registry_target, engine_dir):
+    """A run left RUNNING by a killed process (and a version it created) ends KILLED and the
+    version is deleted when the next registration starts: nothing stuck in the UI."""
+    client = MlflowClient(registry_target.tracking_uri)
+    register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())  # experiment and model exist
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    experiment = client.get_experiment_by_name(registry_target.experiment).experiment_id
+    import socket
+
+    stuck = client.create_run(experiment, tags={"kiln.host": socket.gethostname(), "kiln.pid": str(dead.pid)}).info.run_id
+    orphan = client.create_model_version(registry_target.model_name, source="file:///nowhere", run_id=stuck, tags={"engine_sha256": "0" * 64})
+
+    register_engine(registry_target, engine_dir.path, "1" * 64, record())
+    assert client.get_run(stuck).info.status == "KILLED"
+    assert orphan.version not in {v.version for v in versions(registry_target)}
+
+
+def test_a_registration_stopped_by_sigterm_leaves_no_version_and_no_running_run(tmp_path, engine_dir):
+    """SIGTERM during registration (kiln's CLI turns it into SystemExit) rolls it back."""
+    target = RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-term", "kiln-term", tmp_path / "artifacts")
+    big = tmp_path / "big"
+    big.mkdir()
+    for index in range(400):  # enough artifact files that logging them takes a while
+        (big / f"blob-{index}.bin").write_bytes(os.urandom(64 * 1024))
+    script = textwrap.dedent(
+        f"""
+        import signal, sys
+        from pathlib import Path
+        from registry import RegistryTarget, RunRecord, register_engine
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        target = RegistryTarget({target.tracking_uri!r}, "kiln-term", "kiln-term", Path({str(target.artifact_root)!r}))
+        print("registering", flush=True)
+        record = RunRecord(params={{}}, metrics={{}}, version_tags={{"gates.passed": "true"}}, artifacts={{"big": Path({str(big)!r})}})
+        register_engine(target, Path({str(engine_dir.path)!r}), {engine_dir.sha256!r}, record)
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "registering"
+    deadline = time.time() + 60
+    while not (tmp_path / "artifacts").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 143
+    client = MlflowClient(target.tracking_uri)
+    assert client.search_model_versions("name='kiln-term'") == []
+    experiment = client.get_experiment_by_name("kiln-term")
+    statuses = {run.info.status for run in client.search_runs([experiment.experiment_id])}
+    assert statuses <= {"KILLED", "FAILED"} and statuses
+
+
+# ---------------------------------------------------------------- params that cannot work, an unreachable server
+
+
+def test_a_profile_longer_than_the_model_context_is_refused_before_any_work(tmp_path):
+    root = make_project(tmp_path / "p")
+    params = tiny_params(root).model_dump(mode="json")
+    params["build"]["profiles"]["context"]["max"] = 512  # the tiny model has 128 positions
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    result = kiln("run", cwd=root, timeout=120)
+    assert result.returncode == 2
+    assert "build.profiles.context.max (512) is longer than the model's context, model.architecture.n_positions (128)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (root / "mlruns").exists() and not (root / ".kiln" / "stages").exists()
+
+
+def test_a_profile_longer_than_a_pretrained_models_context_is_refused_before_export(tmp_path, tiny_model, project):
+    root = make_project(tmp_path / "p")
+    params = tiny_params(root).model_dump(mode="json")
+    params["model"]["pretrained"] = str(tiny_model.path)
+    params["build"]["profiles"]["context"]["max"] = 512
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    result = kiln("build", cwd=root, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "build.profiles.context.max (512) is longer than the context of" in result.stderr
+    assert not (root / ".kiln" / "stages" / "onnx").exists()
+    assert MlflowClient(f"sqlite:///{root / 'mlruns' / 'mlflow.db'}").search_model_versions("name='kiln-tiny'") == []
+
+
+def test_config_names_every_length_that_does_not_fit_its_profile(tmp_path):
+    from components.config import load_params
+
+    text = "gates:\n  latency: {prompt_tokens: 200, new_tokens: 100}\n"
+    (tmp_path / "params.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=r"gates\.latency\.prompt_tokens \(200\) exceeds build\.profiles\.prompt\.max \(128\)"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_promote_against_an_unreachable_tracking_server_fails_in_seconds(tmp_path):
+    (tmp_path / "params.yaml").write_text("registry:\n  tracking_uri: http://127.0.0.1:9\n")
+    start = time.monotonic()
+    result = kiln("promote", cwd=tmp_path, timeout=120)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2
+    assert "http://127.0.0.1:9 is unreachable" in result.stderr
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_stage_leaves_no_partial_output_and_the_next_run_succeeds(tmp_path):
+    root = make_project(tmp_path / "p")
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(root).model_dump(mode="json")))
+    models = root / ".kiln" / "stages" / "models"
+    run = subprocess.Popen([KILN, "run"], cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not list(models.glob(".*.partial-*")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert list(models.glob(".*.partial-*")), "training never started"
+    os.killpg(run.pid, signal.SIGKILL)  # the CLI and Prefect's temporary server with it
+    run.wait(timeout=30)
+
+    again = kiln("run", cwd=root)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "registered" in again.stdout
+    assert list(root.glob(".kiln/stages/**/.*.partial-*")) == []
