@@ -177,7 +177,7 @@ class CalibrationParams(_Section):
 class TensorRTParams(_Section):
     workspace_mib: int = Field(4096, ge=64)
     optimization_level: int = Field(3, ge=0, le=5)
-    timing_cache: str = ".kiln/tensorrt/timing.cache"  # reused across builds
+    timing_cache: str = ".kiln/tensorrt/timing.cache"  # reused across builds; relative to the project root
 
 
 class BuildParams(_Section):

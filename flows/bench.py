@@ -160,7 +160,7 @@ def benchmark_engines(
     engines = {}
     for precision in precisions:
         graph = precision_onnx(onnx, precision, calibration, settings, work / "precision")
-        engines[precision] = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines").path
+        engines[precision] = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work).path
     return model.path, engines
 
 

@@ -127,7 +127,7 @@ def _engine_for(
     target: RegistryTarget,
 ) -> EngineOutcome:
     graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
-    engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"))
+    engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
     report = gated.report
     _publish_report(precision, report)

@@ -130,7 +130,7 @@ def build_engine(project, params, tiny_model, exported, data_version, precision=
     from components.precision import precision_onnx
 
     graph = precision_onnx(exported, precision, calibration, params.precision, project / "precision")
-    return engine_from_onnx(graph, tiny_model, data_version, params.build, project / "engines")
+    return engine_from_onnx(graph, tiny_model, data_version, params.build, project / "engines", project)
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,12 @@ def test_importing_the_serving_side_loads_no_torch_transformers_or_tensorrt(modu
     assert not loaded_after(f"import {module}") & {"torch", "transformers", "tensorrt"}
 
 
+@pytest.mark.parametrize("path", [REPO / "components/runtime/tensorrt.py", REPO / "components/build/tensorrt.py"], ids=lambda p: p.name)
+def test_the_tensorrt_path_needs_no_torch(path):
+    # The project pins CPU torch: TensorRT's buffers and streams come from Polygraphy's CUDA wrappers.
+    assert "torch" not in {m.split(".")[0] for m in imported_modules(path)}
+
+
 def test_importing_kiln_creates_no_files(tmp_path):
     code = "import flows.cli, registry, serving.loader, components.gates, components.data"
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True)

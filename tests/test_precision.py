@@ -91,7 +91,7 @@ def int8_quality(name, settings, calibration, project, params, tiny_model, expor
     from components.build import engine_from_onnx
 
     graph = precision_onnx(exported, "int8", calibration, settings, project / f"precision-{name}")
-    engine_dir = engine_from_onnx(graph, tiny_model, data_version, params.build, project / f"engines-{name}")
+    engine_dir = engine_from_onnx(graph, tiny_model, data_version, params.build, project / f"engines-{name}", project)
     return quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
 
 

@@ -71,6 +71,22 @@ def test_an_engine_from_another_tensorrt_or_gpu_is_refused_naming_both(engine_di
         check_compatible(manifest, "11.5.0", "sm_89")
 
 
+def test_the_timing_cache_lives_in_the_projects_state_folder_wherever_kiln_starts(params, tmp_path, monkeypatch):
+    from components.build import timing_cache_of
+
+    monkeypatch.chdir(tmp_path)
+    assert timing_cache_of(params.build, tmp_path / "project") == tmp_path / "project" / ".kiln" / "tensorrt" / "timing.cache"
+
+
+def test_the_skip_guard_asks_what_the_build_and_runtime_use_and_says_which_is_missing():
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is None:
+        assert (TRT_READY, TRT_MISSING) == (False, "the tensorrt backend needs the tensorrt package, which is not installed")
+    elif not TRT_READY:  # tensorrt is there: what is missing is the CUDA runtime or a GPU
+        assert "CUDA runtime" in TRT_MISSING or "no NVIDIA GPU" in TRT_MISSING or "reports none" in TRT_MISSING
+
+
 def test_asking_for_tensorrt_where_it_cannot_run_says_why():
     from components.build import resolve_backend
 
@@ -93,7 +109,7 @@ def test_a_tensorrt_engine_generates_like_onnx_runtime_and_passes_its_gate(
 
     graph = precision_onnx(exported, precision, calibration, params.precision, project / "precision")
     build = params.build.model_copy(update={"backend": "tensorrt"})
-    built = engine_from_onnx(graph, tiny_model, data_version, build, project / "trt-engines")
+    built = engine_from_onnx(graph, tiny_model, data_version, build, project / "trt-engines", project)
     assert built.manifest.backend == "tensorrt" and built.manifest.target.startswith("sm_")
     trt_engine = load_engine(built.path)
     greedy = Sampling(max_new_tokens=8, stop_at_eos=False)

@@ -12,7 +12,7 @@ from components.errors import BackendUnavailable
 from components.model_dir import TrainedModel
 from components.precision import PrecisionOnnx
 
-__all__ = ["STAGE_VERSION", "engine_from_onnx", "lineage_of", "resolve_backend"]
+__all__ = ["STAGE_VERSION", "engine_from_onnx", "lineage_of", "resolve_backend", "timing_cache_of"]
 
 
 def lineage_of(model: TrainedModel, graph: PrecisionOnnx, data: DataVersion) -> Lineage:
@@ -24,6 +24,11 @@ def lineage_of(model: TrainedModel, graph: PrecisionOnnx, data: DataVersion) -> 
         data_md5=data.md5,
         calibration_digest=graph.calibration_digest,
     )
+
+
+def timing_cache_of(params: BuildParams, project_root: Path) -> Path:
+    """The TensorRT timing cache: relative to the project, not to wherever kiln was started."""
+    return project_root / params.tensorrt.timing_cache
 
 
 def resolve_backend(requested: str) -> str:
@@ -38,13 +43,16 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
-def engine_from_onnx(graph: PrecisionOnnx, model: TrainedModel, data: DataVersion, params: BuildParams, out_root: Path) -> EngineDir:
-    """Build one engine; the directory carries its lineage back to model, ONNX and data."""
+def engine_from_onnx(
+    graph: PrecisionOnnx, model: TrainedModel, data: DataVersion, params: BuildParams, out_root: Path, project_root: Path
+) -> EngineDir:
+    """Build one engine; the directory carries its lineage back to model, ONNX and data.
+    Relative paths in `params` (the TensorRT timing cache) are relative to `project_root`."""
     lineage = lineage_of(model, graph, data)
     if resolve_backend(params.backend) == "tensorrt":
         from components.build.tensorrt import trt_engine_from_onnx
 
-        return trt_engine_from_onnx(graph, model.path, lineage, params, out_root)
+        return trt_engine_from_onnx(graph, model.path, lineage, params, out_root, timing_cache_of(params, project_root))
     from components.build.onnxruntime import ort_engine_from_onnx
 
     return ort_engine_from_onnx(graph, model.path, lineage, params, out_root)

@@ -124,12 +124,13 @@ def polygraphy_loaders(plan: TrtBuildPlan) -> TrtLoaders:
 
 
 def trt_engine_from_onnx(
-    graph: PrecisionOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path
+    graph: PrecisionOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path, timing_cache: Path
 ) -> EngineDir:
-    """Build a TensorRT engine directory (needs TensorRT and an NVIDIA GPU)."""
+    """Build a TensorRT engine directory (needs TensorRT and an NVIDIA GPU); `timing_cache`
+    is read before and written after the build, so the next build starts from it."""
     build = BackendBuild(BACKEND, tensorrt_version(), gpu_target(), ENGINE_FILE)
     target = engine_folder(out_root, build, graph.precision, section_digest(params)[:8], graph.onnx.sha256[:12])
-    plan = trt_build_plan(graph, params, Path(params.tensorrt.timing_cache).resolve())
+    plan = trt_build_plan(graph, params, timing_cache)
 
     def write_engine(path: Path) -> None:
         plan.timing_cache.parent.mkdir(parents=True, exist_ok=True)

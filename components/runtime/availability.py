@@ -39,13 +39,17 @@ def _tensorrt_status() -> BackendStatus:
 
 
 def tensorrt_ready() -> tuple[bool, str]:
-    """(True, "") where TensorRT imports and an NVIDIA GPU is present, else (False, why)."""
+    """(True, "") where the TensorRT build and runtime can work, else (False, why): exactly
+    what they use, the tensorrt package, the CUDA runtime library (through Polygraphy, not
+    torch) and a GPU that runtime reports."""
+    from components.errors import BackendUnavailable
+    from components.runtime.tensorrt import gpu_target, tensorrt_version
+
     try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return False, "the tensorrt package is not installed"
-    if gpu_description() is None:
-        return False, "no NVIDIA GPU is visible (nvidia-smi found none)"
+        tensorrt_version()
+        gpu_target()
+    except BackendUnavailable as err:
+        return False, str(err)
     return True, ""
 
 
