@@ -19,6 +19,9 @@ import numpy as np
 from components.progress import stage_progress
 
 GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
+# `kiln bench --shape tiny`: seconds instead of minutes, to check that the bench runs (not to measure).
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
+SHAPES = {"gpt2-small": GPT2_SMALL, "tiny": TINY}
 
 
 @dataclass(frozen=True)
@@ -164,10 +167,10 @@ def benchmark_engines(
     return model.path, engines
 
 
-def benchmark_rows(work: Path, precisions: list[str], setup: BenchSetup) -> list[BenchRow]:
+def benchmark_rows(work: Path, precisions: list[str], setup: BenchSetup, shape: str = "gpt2-small") -> list[BenchRow]:
     """`kiln bench`: build (or reuse) the engines, time HF and each engine interleaved."""
-    model_dir, engines = benchmark_engines(work, precisions, setup)
-    prompt = random_prompts(1, setup.prompt_tokens, GPT2_SMALL["vocab_size"], setup.seed)[0]
+    model_dir, engines = benchmark_engines(work / shape, precisions, setup, SHAPES[shape])
+    prompt = random_prompts(1, setup.prompt_tokens, SHAPES[shape]["vocab_size"], setup.seed)[0]
     candidates = {"hf-eager-fp32": hf_generate_fn(model_dir, prompt, setup.new_tokens)}
     candidates |= {f"kiln-ort-{p}": engine_generate_fn(path, prompt, setup.new_tokens) for p, path in engines.items()}
     return rows_from_samples(time_interleaved(candidates, setup), setup.new_tokens, baseline="hf-eager-fp32")

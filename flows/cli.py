@@ -98,9 +98,10 @@ def _run_pipeline(params_file: Path, model_dir: Path | None, fresh: bool, from_m
 
 def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool, from_model: bool):
     """The flow's result; a failed gate prints the table, then fails with the numbers."""
-    from flows.pipeline import retrain_and_rebuild
+    from registry import preflight, registry_target
 
     params = _load(params_file)
+    preflight(registry_target(params.registry, root))  # before Prefect's server starts (seconds)
     if from_model:
         model_dir = _model_to_build(model_dir, params)
     if fresh:
@@ -110,6 +111,9 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
 
         shutil.rmtree(Workspace(root).state / "stages", ignore_errors=True)
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+    # Imported only now: Prefect reads PREFECT_TASKS_REFRESH_CACHE when the tasks are defined.
+    from flows.pipeline import retrain_and_rebuild
+
     _hide_kiln_tracebacks()
     try:
         return retrain_and_rebuild(params, root, model_dir)
@@ -193,15 +197,18 @@ def bench(
     runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
     precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time")] = "fp32,int8",
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
+    shape: Annotated[str, typer.Option(help="gpt2-small (124M, the measurement) or tiny (a quick check that it runs)")] = "gpt2-small",
 ) -> None:
     """Side-by-side generation benchmark: HF generate vs kiln engines (GPT-2-small shape)."""
     _prepare_environment(Path.cwd())
     from flows import bench as bm
 
+    if shape not in bm.SHAPES:
+        _fail(KilnError(f"--shape {shape!r} is not one of {', '.join(bm.SHAPES)}"))
     setup = bm.BenchSetup(runs=runs)
     with _one_line_errors():
-        rows = bm.benchmark_rows(work, precisions.split(","), setup)
-    render.bench_rows(rows, setup)
+        rows = bm.benchmark_rows(work, precisions.split(","), setup, shape)
+    render.bench_rows(rows, setup, shape)
     if json_path is not None:
         bm.write_json(rows, setup, json_path)
         render.console.print(f"rows written to {json_path}")

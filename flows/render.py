@@ -76,8 +76,8 @@ def pipeline_result(result) -> None:
         console.print(f"  {result.sample!r}", highlight=False)
 
 
-def bench_rows(rows, setup) -> None:
-    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch 1, GPT-2-small shape (124M)")
+def bench_rows(rows, setup, shape: str) -> None:
+    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch 1, {shape} shape")
     for column in ("name", "median ms", "ms / token", "speed-up vs HF"):
         table.add_column(column, justify="left" if column == "name" else "right")
     for row in rows:

@@ -29,11 +29,13 @@ class RegistrySettings(Protocol):
 
 
 def registry_target(settings: RegistrySettings, project_root: Path) -> RegistryTarget:
-    """The configured tracking URI, or the embedded SQLite store under the project's mlruns/."""
-    if settings.tracking_uri:
-        return RegistryTarget(settings.tracking_uri, settings.model_name, settings.experiment)
-    store = project_root / EMBEDDED_STORE
-    return RegistryTarget(f"sqlite:///{store / 'mlflow.db'}", settings.model_name, settings.experiment, store / "artifacts")
+    """The configured tracking URI, or the embedded SQLite store under the project's mlruns/.
+    A SQLite store, embedded or named, keeps its artifacts in `artifacts/` beside it."""
+    uri = settings.tracking_uri or f"sqlite:///{project_root / EMBEDDED_STORE / 'mlflow.db'}"
+    if not uri.startswith("sqlite:///"):
+        return RegistryTarget(uri, settings.model_name, settings.experiment)  # the server decides
+    artifacts = Path(uri.removeprefix("sqlite:///")).parent / "artifacts"
+    return RegistryTarget(uri, settings.model_name, settings.experiment, artifacts)
 
 
 def is_embedded(target: RegistryTarget) -> bool:

@@ -37,19 +37,26 @@ from components.config import (  # noqa: E402
     RegistryParams,
     SampleParams,
     ShapeRange,
+    SplitParams,
     TextFilesSource,
     TokenizerParams,
     TrainingParams,
 )
 
 REPO = Path(__file__).resolve().parents[1]
+NEAR_DUPLICATE_PASSAGES, NEAR_DUPLICATE_VARIANTS = 16, 4
 DVC = str(Path(sys.executable).parent / "dvc")
 
 
 def tiny_params(root: Path, **overrides) -> Params:
     """Params for a tiny model on the tiny corpus: seconds, not minutes."""
     sections = dict(
-        data=DataParams(source=TextFilesSource(kind="text-files", glob="corpus/*.txt"), min_chars=32),
+        data=DataParams(
+            source=TextFilesSource(kind="text-files", glob="corpus/*.txt"),
+            min_chars=32,
+            max_chars=400,
+            split=SplitParams(eval_fraction=0.1, calibration_fraction=0.25),
+        ),
         model=ModelParams(
             tokenizer=TokenizerParams(vocab_size=400),
             architecture=ArchitectureParams(n_layer=2, n_head=2, n_embd=32, n_positions=128),
@@ -70,12 +77,20 @@ def tiny_params(root: Path, **overrides) -> Params:
 
 
 def write_corpus(directory: Path) -> None:
-    """A small corpus from CPython's bundled pydoc topics (offline, real English prose)."""
+    """A small corpus from CPython's bundled pydoc topics (offline, real English prose), cut
+    into short passages (data.max_chars in tiny_params) so each split holds dozens, plus
+    near duplicates: short passages written in a few variants that differ in their last
+    word, which the calibration stage must keep only once."""
     from pydoc_data.topics import topics
 
     directory.mkdir(parents=True, exist_ok=True)
-    for name in sorted(topics)[:40]:
+    names = sorted(topics)[:60]
+    for name in names:
         (directory / f"{name}.txt").write_text(topics[name])
+    for index, name in enumerate(names[:NEAR_DUPLICATE_PASSAGES]):
+        words = " ".join(topics[name].split())[:350].split(" ")[:-1]
+        for variant in range(NEAR_DUPLICATE_VARIANTS):
+            (directory / f"near-duplicate-{index}-{variant}.txt").write_text(" ".join(words + [f"variant{variant}"]))
 
 
 def make_project(root: Path) -> Path:

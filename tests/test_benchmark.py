@@ -4,25 +4,22 @@ import json
 
 from flows import bench as bm
 
-TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
+TINY = bm.TINY
 
 
-def test_the_benchmark_times_hf_and_kiln_engines_and_writes_the_json_rows(tmp_path):
-    setup = bm.BenchSetup(new_tokens=8, runs=2, warmup=1, calibration_prompts=4)
-    model_dir, engines = bm.benchmark_engines(tmp_path / "work", ["fp32", "int8"], setup, TINY)
-    prompt = bm.random_prompts(1, setup.prompt_tokens, TINY["vocab_size"], 0)[0]
-    candidates = {"hf-eager-fp32": bm.hf_generate_fn(model_dir, prompt, setup.new_tokens)}
-    candidates |= {f"kiln-ort-{p}": bm.engine_generate_fn(path, prompt, setup.new_tokens) for p, path in engines.items()}
-    rows = bm.rows_from_samples(bm.time_interleaved(candidates, setup), setup.new_tokens, "hf-eager-fp32")
-    bm.write_json(rows, setup, tmp_path / "bench.json")
+def test_rows_are_medians_per_token_and_speed_ups_against_the_baseline():
+    samples = {"hf-eager-fp32": [300.0, 100.0, 200.0], "kiln-ort-int8": [60.0, 40.0, 50.0]}
+    rows = {row.name: row for row in bm.rows_from_samples(samples, new_tokens=10, baseline="hf-eager-fp32")}
+    assert (rows["hf-eager-fp32"].median_ms, rows["hf-eager-fp32"].ms_per_token, rows["hf-eager-fp32"].speedup_vs_hf) == (200.0, 20.0, 1.0)
+    assert (rows["kiln-ort-int8"].median_ms, rows["kiln-ort-int8"].ms_per_token, rows["kiln-ort-int8"].speedup_vs_hf) == (50.0, 5.0, 4.0)
 
+
+def test_the_json_holds_the_setup_and_every_run(tmp_path):
+    rows = bm.rows_from_samples({"hf-eager-fp32": [10.0, 12.0]}, new_tokens=4, baseline="hf-eager-fp32")
+    bm.write_json(rows, bm.BenchSetup(runs=2), tmp_path / "bench.json")
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["name"] for r in saved["rows"]] == ["hf-eager-fp32", "kiln-ort-fp32", "kiln-ort-int8"]
-    for row in saved["rows"]:
-        assert {"name", "median_ms", "ms_per_token", "speedup_vs_hf"} <= set(row)
-        assert row["ms_per_token"] == row["median_ms"] / setup.new_tokens
-        assert len(row["runs_ms"]) == setup.runs
-    assert saved["rows"][0]["speedup_vs_hf"] == 1.0
+    assert saved["setup"]["batch"] == 1 and saved["setup"]["runs"] == 2
+    assert saved["rows"] == [{"name": "hf-eager-fp32", "median_ms": 11.0, "ms_per_token": 2.75, "speedup_vs_hf": 1.0, "runs_ms": [10.0, 12.0]}]
 
 
 def test_the_benchmark_engines_are_what_the_pipeline_builds(tmp_path):

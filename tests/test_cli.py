@@ -1,9 +1,15 @@
 """The `kiln` command line as a user runs it: exit codes, one-line errors, the whole run."""
 
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -90,22 +96,123 @@ def test_an_unreachable_tracking_uri_exits_2_before_any_training(tmp_path):
     assert not (root / ".kiln" / "stages" / "models").exists()
 
 
-@pytest.mark.slow
-def test_kiln_run_registers_a_challenger_prints_a_sample_and_a_second_run_registers_nothing(tmp_path):
-    root = make_project(tmp_path / "p")
+# ---------------------------------------------------------------- a project under `kiln up`, as a user works
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`kiln up` in a project: both servers must answer; the kiln verbs below talk to its
+    Prefect server (so no run starts a temporary one); SIGTERM must stop both."""
+    root = make_project(tmp_path_factory.mktemp("cli") / "p")
     write_params(root / "params.yaml", tiny_params(root))
-    first = kiln("run", cwd=root)
+    mlflow_port, prefect_port = free_port(), free_port()
+    log = (root / "kiln-up.log").open("w")  # a file, not a pipe nobody reads: the servers are chatty
+    up = subprocess.Popen(
+        [KILN, "up", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)],
+        cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    health = {"mlflow": f"http://127.0.0.1:{mlflow_port}/health", "prefect": f"http://127.0.0.1:{prefect_port}/api/health"}
+    deadline = time.monotonic() + 120
+    while not all(map(answers, health.values())) and time.monotonic() < deadline and up.poll() is None:
+        time.sleep(0.5)
+    if not all(map(answers, health.values())):
+        up.kill()
+        pytest.fail(f"kiln up did not bring both servers up (exit {up.wait()}): {(root / 'kiln-up.log').read_text()[-3000:]}")
+    env = os.environ | {"PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
+    yield SimpleNamespace(root=root, env=env, mlflow=f"http://127.0.0.1:{mlflow_port}", prefect=f"http://127.0.0.1:{prefect_port}")
+
+    up.send_signal(signal.SIGTERM)
+    assert up.wait(timeout=60) == 143
+    time.sleep(1)
+    assert not any(map(answers, health.values())), "a server outlived kiln up's SIGTERM"
+
+
+def kiln_in(served, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([KILN, *args], cwd=served.root, capture_output=True, text=True, timeout=600, env=served.env)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_kiln_run_registers_a_challenger_prints_a_sample_and_a_second_run_registers_nothing(served):
+    first = kiln_in(served, "run")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "kiln-tiny version 1 @challenger (fp32) — registered" in first.stdout
     assert "sample completion" in first.stdout and "'The list" in first.stdout
 
-    second = kiln("run", cwd=root)
+    second = kiln_in(served, "run")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "kiln-tiny version 1 @challenger (fp32) — unchanged" in second.stdout
     assert second.stderr.count("Cached(type=COMPLETED)") >= 4
 
-    promoted = kiln("promote", cwd=root)
+    promoted = kiln_in(served, "promote")
     assert promoted.returncode == 0 and "kiln-tiny@champion → version 1" in promoted.stdout
+    # What the MLflow UI shows, through kiln up's server.
+    model = get_json(f"{served.mlflow}/api/2.0/mlflow/registered-models/get?name=kiln-tiny")["registered_model"]
+    assert {a["alias"]: a["version"] for a in model["aliases"]} == {"challenger": "1", "champion": "1"}
+
+
+@pytest.mark.slow
+def test_kiln_run_with_a_failing_gate_prints_the_table_and_exits_1(served):
+    params = tiny_params(served.root)
+    strict = params.gates.model_copy(update={"latency": params.gates.latency.model_copy(update={"max_p95_ms": 1e-6})})
+    registry = params.registry.model_copy(update={"model_name": "kiln-strict"})
+    strict_file = write_params(served.root / "strict.yaml", params.model_copy(update={"gates": strict, "registry": registry}))
+    failed = kiln_in(served, "run", "--params", str(strict_file))
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "FAILED" in failed.stdout and "1 new" in failed.stdout  # the table, with the version registered
+    assert "@challenger" not in failed.stdout
+    error = failed.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: gates failed for fp32 (version 1): latency: p95_ms")
+
+
+@pytest.mark.slow
+def test_kiln_build_registers_an_engine_from_an_existing_model_directory(served):
+    model_dir = next((served.root / ".kiln" / "stages" / "models").glob("v*"))
+    params = tiny_params(served.root)
+    built = write_params(served.root / "built.yaml", params.model_copy(update={"registry": params.registry.model_copy(update={"model_name": "kiln-built"})}))
+    result = kiln_in(served, "build", "--model", str(model_dir), "--params", str(built))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kiln-built version 1 @challenger (fp32) — registered" in result.stdout
+    assert "train-model" not in result.stderr  # built from the model as it is
+
+
+@pytest.mark.slow
+def test_kiln_run_fresh_rebuilds_every_stage_instead_of_reusing_the_cache(served):
+    stages = served.root / ".kiln" / "stages"
+    before = {p.name: p.stat().st_mtime_ns for p in (stages / "models").iterdir()}
+    fresh = kiln_in(served, "run", "--fresh")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "Cached(type=COMPLETED)" not in fresh.stderr
+    after = {p.name: p.stat().st_mtime_ns for p in (stages / "models").iterdir()}
+    assert after.keys() == before.keys() and all(after[name] > before[name] for name in before)
+
+
+def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path):
+    result = kiln("bench", "--shape", "tiny", "--runs", "2", "--json", str(tmp_path / "bench.json"), "--work", str(tmp_path / "work"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hf-eager-fp32" in result.stdout and "kiln-ort-int8" in result.stdout
+    rows = {row["name"]: row for row in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    assert set(rows) == {"hf-eager-fp32", "kiln-ort-fp32", "kiln-ort-int8"}
+    assert all(len(row["runs_ms"]) == 2 and min(row["runs_ms"]) <= row["median_ms"] <= max(row["runs_ms"]) for row in rows.values())
+    assert rows["hf-eager-fp32"]["speedup_vs_hf"] == 1.0
 
 
 def test_an_unforeseen_exception_ends_as_one_line_with_exit_2_and_its_traceback_kept(capsys):

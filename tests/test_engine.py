@@ -11,6 +11,7 @@ from components.engine_dir import load_engine_dir
 from components.errors import EngineError, ShapeOutOfProfile
 from components.files import file_sha256
 from components.runtime import load_engine
+from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 
@@ -99,3 +100,50 @@ def test_prefill_logits_match_pytorch(engine, reference):
     with torch.no_grad():
         expected = reference(input_ids=torch.from_numpy(ids)).logits.numpy()
     assert np.abs(logits - expected).max() < 1e-4
+
+
+def test_a_batch_larger_than_the_profile_is_refused_with_the_limit(engine):
+    limit = engine.manifest.profiles["context"].batch.max
+    with pytest.raises(ShapeOutOfProfile, match=rf"batch {limit + 1} is outside the engine's profile \(1\.\.{limit}\)"):
+        engine.generate([[1, 2, 3]] * (limit + 1), Sampling(max_new_tokens=1))
+
+
+class EosAfter(Engine):
+    """The real engine, except that from decode step `after` on, its logits favour EOS."""
+
+    def __init__(self, inner: Engine, after: int) -> None:
+        super().__init__(inner.engine_dir)
+        self.inner, self.after, self.calls = inner, after, 0
+
+    def forward(self, input_ids, attention_mask, position_ids, cache):
+        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache)
+        self.calls += 1
+        if self.calls > self.after:
+            logits = logits.copy()
+            logits[..., self.manifest.eos_token_id] = logits.max() + 10.0
+        return logits, present
+
+
+def test_generation_stops_at_eos_and_leaves_it_out_unless_told_not_to(engine):
+    prompt = [[5, 17, 42, 8]]
+    stopped = EosAfter(engine, after=3).generate(prompt, Sampling(max_new_tokens=10))[0]
+    assert len(stopped) == 3  # the prefill and two decode steps gave tokens; the fourth call gave EOS
+    assert engine.manifest.eos_token_id not in stopped
+    kept = EosAfter(engine, after=3).generate(prompt, Sampling(max_new_tokens=10, stop_at_eos=False))[0]
+    assert len(kept) == 10 and kept[3:] == [engine.manifest.eos_token_id] * 7
+
+
+def test_an_engine_of_another_format_version_is_refused_naming_both(tmp_path, engine_dir):
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir.path, copy)
+    manifest = json.loads((copy / "engine.json").read_text())
+    manifest["format_version"] = 2
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="engine format 2, this kiln reads 1"):
+        load_engine_dir(copy)
+
+
+def test_a_closed_engine_releases_its_session(engine_dir):
+    with load_engine(engine_dir.path) as engine:
+        assert engine.generate([[1, 2]], Sampling(max_new_tokens=2, stop_at_eos=False))
+    assert engine.session is None

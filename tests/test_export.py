@@ -41,3 +41,40 @@ def test_logits_match_pytorch_on_padded_prompts_and_decode_steps(exported):
 def test_missing_parity_raises_an_export_error_saying_by_how_much(tmp_path, tiny_model):
     with pytest.raises(ExportError, match=r"misses parity .* tolerance 1e-12 \(off by"):
         onnx_from_model(tiny_model, ExportParams(parity_tolerance=1e-12), tmp_path)
+
+
+def test_parity_is_measured_not_assumed_a_changed_weight_shows_up(tmp_path, exported, tiny_model):
+    """The parity check must see a difference that is there: scale one weight of the ONNX
+    and the reported max |Δlogits| grows by orders of magnitude past the tolerance."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from components.export import parity_against_torch
+    from components.model_dir import load_model
+
+    model = onnx.load(str(exported.path))
+    weight = max(model.graph.initializer, key=lambda init: numpy_helper.to_array(init).size)  # the embedding / lm_head
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * 1.5, weight.name))
+    onnx.save(model, str(tmp_path / "changed.onnx"))
+    torch_model = load_model(tiny_model.path)
+    changed = parity_against_torch(torch_model, tmp_path / "changed.onnx", exported.layout, 1e-4)
+    assert not changed.passed
+    assert min(changed.prefill_max_abs_diff, changed.decode_max_abs_diff) > 1e-2
+    same = parity_against_torch(torch_model, exported.path, exported.layout, 1e-4)
+    assert same.passed and np.isclose(same.prefill_max_abs_diff, exported.parity.prefill_max_abs_diff)
+
+
+def test_the_exported_graph_matches_pytorch_on_inputs_the_parity_check_never_saw(exported, reference):
+    """An independent check: ONNX Runtime vs PyTorch on other prompts, computed here."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    ids = np.array([[7, 3, 99, 250, 12, 5, 60, 61, 62, 63, 64]], np.int64)
+    empty = np.zeros((1, exported.layout.num_heads, 0, exported.layout.head_dim), np.float32)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+    logits = session.run(["logits"], feeds | {name: empty for name in exported.layout.past_names})[0]
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(logits - expected).max() < 1e-4

@@ -25,6 +25,16 @@ def flow_project(tmp_path_factory):
     return make_project(tmp_path_factory.mktemp("flow"))
 
 
+def task_states(flow_state) -> dict[str, str]:
+    """Each task of a finished flow run and the name of its final state, from Prefect's API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
 def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
     params = tiny_params(flow_project)
     first = retrain_and_rebuild(params, flow_project)
@@ -32,7 +42,7 @@ def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
     registration = first.challenger.registration
     assert registration.created
     assert first.challenger.report.passed
-    assert first.sample.startswith(params.sample.prompt) and len(first.sample) > len(params.sample.prompt)
+    assert first.aliases == {CHALLENGER: registration.version}
 
     info = resolve_alias(registry_target(params.registry, flow_project), CHALLENGER)
     assert info.tags["data_md5"] == dvc_md5(flow_project / "data.dvc")
@@ -43,9 +53,17 @@ def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
     assert float(info.tags["gates.quality.top1_agreement"]) == 1.0
     assert {"backend", "precision", "target", "calibration_digest", "git_commit", "gates.latency.p95_ms"} <= set(info.tags)
 
-    second = retrain_and_rebuild(params, flow_project)
+    second_state = retrain_and_rebuild(params, flow_project, return_state=True)
+    second = second_state.result()
     assert not second.challenger.registration.created
     assert second.challenger.registration.version == registration.version
+    # Reused from Prefect's cache, not recomputed and found on disk.
+    states = task_states(second_state)
+    assert {name: states[name] for name in ("train-model", "export-onnx", "build-engine", "gate-engine")} == dict.fromkeys(
+        ("train-model", "export-onnx", "build-engine", "gate-engine"), "Cached"
+    )
+    # The sample came back through the registry with its seed: the same text both times.
+    assert second.sample == first.sample and len(first.sample) > len(params.sample.prompt)
 
 
 def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_project):
@@ -140,3 +158,47 @@ def test_a_sample_prompt_longer_than_the_profile_is_refused_before_anything_is_r
         retrain_and_rebuild(params, flow_project)
     client = MlflowClient(registry_target(params.registry, flow_project).tracking_uri)
     assert client.search_model_versions("name='kiln-long-prompt'") == []
+
+
+def test_fp32_passing_and_int8_failing_registers_both_aliases_fp32_and_raises_for_int8(flow_project):
+    from components.config import PrecisionParams, QualityLimits
+
+    base = tiny_params(flow_project)
+    impossible = base.gates.quality.limits | {"int8": QualityLimits(min_top1_agreement=1.0, max_ppl_increase_pct=0.0)}
+    params = base.model_copy(
+        update={
+            "precision": PrecisionParams(build=["fp32", "int8"]),
+            "gates": base.gates.model_copy(update={"quality": base.gates.quality.model_copy(update={"limits": impossible})}),
+            "registry": base.registry.model_copy(update={"model_name": "kiln-int8-fails"}),
+        }
+    )
+    with pytest.raises(GateFailed, match=r"gates failed for int8 \(version 2\): quality: top1_agreement") as failed:
+        retrain_and_rebuild(params, flow_project)
+    result = failed.value.report
+    fp32, int8 = result.outcomes
+    assert fp32.report.passed and not int8.report.passed
+    assert result.challenger is fp32
+    assert result.aliases == {CHALLENGER: fp32.registration.version}
+    tags = resolve_alias(registry_target(params.registry, flow_project), CHALLENGER).tags
+    assert tags["precision"] == "fp32"
+
+
+def test_a_failing_engine_leaves_the_older_challenger_where_it_was(flow_project):
+    from components.config import PrecisionParams, QualityLimits
+
+    base = tiny_params(flow_project)
+    registry = base.registry.model_copy(update={"model_name": "kiln-keeps-challenger"})
+    good = retrain_and_rebuild(base.model_copy(update={"registry": registry}), flow_project)
+    impossible = base.gates.quality.limits | {"int8": QualityLimits(min_top1_agreement=1.0, max_ppl_increase_pct=0.0)}
+    failing = base.model_copy(
+        update={
+            "registry": registry,
+            "precision": PrecisionParams(build=["int8"]),
+            "gates": base.gates.model_copy(update={"quality": base.gates.quality.model_copy(update={"limits": impossible})}),
+        }
+    )
+    with pytest.raises(GateFailed) as failed:
+        retrain_and_rebuild(failing, flow_project)
+    assert failed.value.report.outcomes[0].registration.created
+    assert failed.value.report.aliases == {CHALLENGER: good.challenger.registration.version}
+    assert resolve_alias(registry_target(registry, flow_project), CHALLENGER).version == good.challenger.registration.version

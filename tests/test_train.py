@@ -21,9 +21,12 @@ def test_the_model_directory_holds_weights_config_and_tokenizer(tiny_model):
 
 
 def test_same_data_and_params_reuse_the_trained_model(project, params, data_version, tiny_model):
+    # Seeded training would reproduce the same weights: the files' times show it did not run.
+    written = {p.name: p.stat().st_mtime_ns for p in tiny_model.path.iterdir()}
     again = model_from_data(data_version, params.model, project / "models")
     assert again.path == tiny_model.path
     assert again.sha256 == tiny_model.sha256
+    assert {p.name: p.stat().st_mtime_ns for p in again.path.iterdir()} == written
 
 
 def test_a_pretrained_directory_is_used_as_is_with_zero_steps(tmp_path, data_version, tiny_model):
