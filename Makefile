@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test clean
+.PHONY: run test mutants clean
 
 run: $(STAMP)
 	$(VENV)/bin/kiln run
@@ -19,5 +19,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
 
+# Mutation testing (not part of `make test`: it runs the fast tests once per mutant, which
+# takes a long time); the stages' outputs are cached across those runs in .kiln/test-cache.
+mutants: $(STAMP)
+	$(VENV)/bin/pip install --quiet mutmut==3.8.1
+	KILN_TEST_CACHE=$(CURDIR)/.kiln/test-cache $(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf .kiln mlruns
+	rm -rf .kiln mlruns mutants

@@ -104,7 +104,13 @@ def make_project(root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def project(tmp_path_factory) -> Path:
-    return make_project(tmp_path_factory.mktemp("project"))
+    """The session's project. With KILN_TEST_CACHE set (`make mutants`, which runs the tests
+    hundreds of times) it persists there, so the stages find the tiny model, its ONNX and
+    engines from the last session instead of rebuilding them; `make test` starts clean."""
+    cached = os.environ.get("KILN_TEST_CACHE")
+    if cached and (Path(cached) / "project" / ".dvc").is_dir():
+        return Path(cached) / "project"
+    return make_project(Path(cached) / "project" if cached else tmp_path_factory.mktemp("project"))
 
 
 @pytest.fixture(scope="session")

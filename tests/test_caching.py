@@ -1,0 +1,55 @@
+"""Prefect cache keys come from content and stage versions, never from names."""
+
+from pathlib import Path
+
+import pytest
+
+from components.config import ExportParams
+from components.model_dir import TrainedModel
+from flows.caching import content_key, stage_version
+
+
+def model(sha256: str, where: str = "/models/a") -> TrainedModel:
+    return TrainedModel(path=Path(where), sha256=sha256)
+
+
+def test_the_same_content_under_another_name_hits_and_other_content_under_the_same_name_misses():
+    params = ExportParams()
+    key = content_key("export-onnx", "1", {"model": model("aa"), "params": params})
+    assert content_key("export-onnx", "1", {"model": model("aa", "/elsewhere"), "params": params}) == key
+    assert content_key("export-onnx", "1", {"model": model("bb"), "params": params}) != key
+
+
+def test_settings_count_by_value_and_output_locations_by_where_they_point(tmp_path):
+    base = {"params": ExportParams(), "out": tmp_path / "onnx"}
+    key = content_key("export-onnx", "1", base)
+    assert content_key("export-onnx", "1", base | {"params": ExportParams(opset=18)}) == key  # the default, spelled out
+    assert content_key("export-onnx", "1", base | {"params": ExportParams(opset=19)}) != key
+    assert content_key("export-onnx", "1", base | {"out": tmp_path / "other"}) != key
+    assert content_key("export-onnx", "1", base | {"out": tmp_path / "x" / ".." / "onnx"}) == key
+
+
+def test_a_stage_version_bump_or_another_task_misses():
+    key = content_key("train-model", "1", {"steps": 3, "names": ["a", "b"], "seed": None, "lr": 0.5, "fresh": True})
+    assert content_key("train-model", "2", {"steps": 3, "names": ["a", "b"], "seed": None, "lr": 0.5, "fresh": True}) != key
+    assert content_key("export-onnx", "1", {"steps": 3, "names": ["a", "b"], "seed": None, "lr": 0.5, "fresh": True}) != key
+    assert content_key("train-model", "1", {"steps": 3, "names": ["a", "c"], "seed": None, "lr": 0.5, "fresh": True}) != key
+
+
+def test_a_value_without_content_identity_is_refused_not_hashed_by_accident():
+    with pytest.raises(TypeError, match="cannot derive a content cache key from object"):
+        content_key("t", "1", {"thing": object()})
+
+
+def test_every_cached_stage_declares_its_version_and_one_without_is_refused():
+    from components.build import engine_from_onnx
+    from components.calibrate import calibration_set_from_pool
+    from components.export import onnx_from_model
+    from components.gates import gated_engine
+    from components.precision import precision_onnx
+    from components.train import model_from_data
+
+    stages = (model_from_data, onnx_from_model, calibration_set_from_pool, precision_onnx, engine_from_onnx, gated_engine)
+    assert all(stage_version(stage).isdigit() for stage in stages)
+    with pytest.raises(TypeError, match="declares no STAGE_VERSION"):
+        stage_version(test_a_stage_version_bump_or_another_task_misses)
