@@ -1,0 +1,640 @@
+"""GPT-2 over a static, slot-indexed KV cache, with CUDA-graph-captured decode.
+
+The pieces, bottom up:
+
+* `StaticKVGPT2` — the model as one pure function of (tokens, positions, attention bias,
+  last index, k_cache, v_cache). It writes the new tokens' keys and values into the
+  caches in place and returns logits for one position per row. The same `forward` serves
+  prefill (P tokens per row) and decode (P = 1), so a single `torch.export` program is the
+  whole engine, and it runs unchanged on CPU in fp32 (what the CPU test compares with HF).
+* `StaticKVRunner` — owns the caches and the per-slot state on the device, captures
+  prefill and k-step decode into CUDA graphs, and runs continuous batching over slots.
+
+Conventions that the rest relies on:
+
+* Cache layout (layers, slots, heads, max_context + 1, head_dim), one tensor for k and
+  one for v. The extra last position (index `max_context`) is a scratch column: a row
+  whose writes must be discarded (padding, rows not being prefilled) writes there, and
+  attention never reads it because `attn_len <= max_context`. This keeps every write
+  branch-free, which is what makes the step graph-capturable and exportable.
+* Batch row b of a call is slot b: a call of width B reads and writes slots 0..B-1.
+  Reading `k_cache[layer, :B]` is then a view, not a gather (a gather would copy the
+  cache every layer). The runner allocates the lowest free slot so rows stay compact.
+* Prompts are right-padded: each sequence starts at position 0 of its slot, so a slot's
+  position is just its token count and decode needs no per-row offset. Pad tokens carry
+  position `max_context` (scratch) and `last_index` picks each row's last real token.
+* Greedy only: argmax runs inside the captured graph; sampling would need graph-safe RNG
+  state and is left to the integration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class GPT2Shape:
+    """The few config values the static model needs (from a HF GPT2Config)."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_inner: int
+    vocab_size: int
+    n_positions: int
+    eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf_config(cls, config) -> GPT2Shape:
+        # Refuse variants this forward does not implement instead of silently diverging.
+        if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+            raise ValueError(f"activation {config.activation_function!r} is not the tanh GELU this model implements")
+        if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx:
+            raise ValueError("only the standard 1/sqrt(head_dim) attention scaling is implemented")
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError("cross-attention GPT-2 variants are not supported")
+        return cls(
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            n_embd=config.n_embd,
+            n_inner=config.n_inner or 4 * config.n_embd,
+            vocab_size=config.vocab_size,
+            n_positions=config.n_positions,
+            eps=config.layer_norm_epsilon,
+        )
+
+
+def _stack(state: Mapping[str, Tensor], n_layer: int, suffix: str) -> Tensor:
+    return torch.stack([state[f"h.{i}.{suffix}"] for i in range(n_layer)])
+
+
+class StaticKVGPT2(nn.Module):
+    """GPT-2 as a pure function over caller-owned static KV caches.
+
+    Weights are stacked per kind, (n_layer, ...), in HF Conv1D layout (in, out), so
+    `addmm(bias, x, W)` is the layer and no transpose copy is made at load.
+    """
+
+    def __init__(
+        self,
+        shape: GPT2Shape,
+        state_dict: Mapping[str, Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fused_gelu: bool = False,
+        linear_layout: bool = False,
+    ) -> None:
+        super().__init__()
+        self.shape = shape
+        # Storage layout of the four projection weights: HF Conv1D's (in, out) by default;
+        # linear_layout stores nn.Linear's (out, in) and multiplies by a transposed view
+        # (cuBLAS takes either without a copy; which GEMV is faster is measured, not assumed).
+        self.linear_layout = linear_layout
+        # cuBLASLt's GELU epilogue is the tanh GELU on CUDA, but the CPU kernel of
+        # _addmm_activation applies the exact GELU: only enable it on CUDA.
+        self.fused_gelu = fused_gelu and torch.device(device).type == "cuda"
+        state = {k.removeprefix("transformer."): v for k, v in state_dict.items()}
+        L = shape.n_layer
+
+        def param(t: Tensor) -> nn.Parameter:
+            return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+
+        def weight(t: Tensor) -> nn.Parameter:
+            return param(t.transpose(-1, -2) if linear_layout else t)
+
+        self.wte = param(state["wte.weight"])
+        self.wpe = param(state["wpe.weight"])
+        self.ln1_w, self.ln1_b = param(_stack(state, L, "ln_1.weight")), param(_stack(state, L, "ln_1.bias"))
+        self.ln2_w, self.ln2_b = param(_stack(state, L, "ln_2.weight")), param(_stack(state, L, "ln_2.bias"))
+        self.w_qkv, self.b_qkv = weight(_stack(state, L, "attn.c_attn.weight")), param(_stack(state, L, "attn.c_attn.bias"))
+        self.w_o, self.b_o = weight(_stack(state, L, "attn.c_proj.weight")), param(_stack(state, L, "attn.c_proj.bias"))
+        self.w_fc, self.b_fc = weight(_stack(state, L, "mlp.c_fc.weight")), param(_stack(state, L, "mlp.c_fc.bias"))
+        self.w_mp, self.b_mp = weight(_stack(state, L, "mlp.c_proj.weight")), param(_stack(state, L, "mlp.c_proj.bias"))
+        self.lnf_w, self.lnf_b = param(state["ln_f.weight"]), param(state["ln_f.bias"])
+        lm_head = state.get("lm_head.weight")
+        # GPT-2 ties lm_head to wte: keep one copy (77 MB in fp16 at GPT-2-small size).
+        self.tied = lm_head is None or lm_head.data_ptr() == state["wte.weight"].data_ptr() or torch.equal(lm_head, state["wte.weight"])
+        self.lm_head = None if self.tied else param(lm_head)
+        # Index helpers for the branch-free cache write; non-persistent so a state_dict
+        # holds weights only. Created here because making tensors from Python scalars
+        # inside a captured graph would be a host-to-device copy, which capture forbids.
+        self.register_buffer("layer_ids", torch.arange(L, device=device), persistent=False)
+        self.register_buffer("head_ids", torch.arange(shape.n_head, device=device), persistent=False)
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, **kwargs) -> StaticKVGPT2:
+        return cls(GPT2Shape.from_hf_config(model.config), model.state_dict(), **kwargs)
+
+    def new_cache(self, num_slots: int, max_context: int) -> tuple[Tensor, Tensor]:
+        return new_cache(self.shape, num_slots, max_context, self.wte.dtype, self.wte.device)
+
+    def _w(self, stacked: Tensor, layer: int) -> Tensor:
+        """Layer weight as an (in, out) matrix, a view in either storage layout."""
+        return stacked[layer].t() if self.linear_layout else stacked[layer]
+
+    def forward(
+        self,
+        input_ids: Tensor,  # (B, P) int64
+        positions: Tensor,  # (B, P) int64; max_context (scratch) for tokens to discard
+        attn_bias: Tensor,  # (B, 1, P, A) model dtype, 0 or -inf; A = attended cache length
+        last_index: Tensor | None,  # (B,) int64: which of the P tokens gives the logits; None: all
+        k_cache: Tensor,  # (L, S, H, T+1, D), written in place, S >= B
+        v_cache: Tensor,
+    ) -> Tensor:
+        """Logits (B, vocab) of one token per row, after writing all B*P tokens' k/v.
+
+        With last_index None: logits of every token, (B, P, vocab) (gates, perplexity).
+        """
+        s = self.shape
+        B, P = input_ids.shape
+        A = attn_bias.shape[-1]
+        H, D, E = s.n_head, s.head_dim, s.n_embd
+        # Scratch positions are past the embedding table; clamp only for the lookup.
+        pos_emb = F.embedding(positions.clamp(max=s.n_positions - 1), self.wpe)
+        x = (F.embedding(input_ids, self.wte) + pos_emb).view(B * P, E)
+        rows = torch.arange(B, device=input_ids.device).view(B, 1, 1)
+        heads = self.head_ids.view(1, 1, H)
+        write_pos = positions.view(B, P, 1)
+        for layer in range(s.n_layer):
+            a = F.layer_norm(x, (E,), self.ln1_w[layer], self.ln1_b[layer], s.eps)
+            qkv = torch.addmm(self.b_qkv[layer], a, self._w(self.w_qkv, layer)).view(B, P, 3, H, D)
+            # One index_put per cache on the cache tensor itself (not on a view of it):
+            # functionalization then sees a plain input mutation, which Inductor turns
+            # back into an in-place scatter instead of copying the cache.
+            index = (self.layer_ids[layer], rows, heads, write_pos)
+            k_cache.index_put_(index, qkv[:, :, 1])
+            v_cache.index_put_(index, qkv[:, :, 2])
+            q = qkv[:, :, 0].transpose(1, 2)  # (B, H, P, D)
+            keys = k_cache[layer, :B, :, :A]  # a view: rows are slots 0..B-1
+            values = v_cache[layer, :B, :, :A]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_bias)
+            x = x + torch.addmm(self.b_o[layer], o.transpose(1, 2).reshape(B * P, E), self._w(self.w_o, layer))
+            a = F.layer_norm(x, (E,), self.ln2_w[layer], self.ln2_b[layer], s.eps)
+            if self.fused_gelu:
+                f = torch._addmm_activation(self.b_fc[layer], a, self._w(self.w_fc, layer), use_gelu=True)
+            else:
+                f = F.gelu(torch.addmm(self.b_fc[layer], a, self._w(self.w_fc, layer)), approximate="tanh")
+            x = x + torch.addmm(self.b_mp[layer], f, self._w(self.w_mp, layer))
+        # Logits only for the one position per row that is needed.
+        if last_index is None:
+            x_last = x.view(B, P, E)
+        else:
+            x_last = x.view(B, P, E)[torch.arange(B, device=x.device), last_index]
+        x_last = F.layer_norm(x_last, (E,), self.lnf_w, self.lnf_b, s.eps)
+        return F.linear(x_last, self.wte if self.lm_head is None else self.lm_head)
+
+    @torch.no_grad()
+    def score(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Logits of every position, (B, P, vocab), for kiln's left-padded batches.
+
+        What kiln's quality gates need (teacher-forced next-token logits). Uses a
+        throw-away cache sized to the batch; positions follow kiln's convention
+        (cumsum of the mask - 1), pad tokens write to the scratch column and are never
+        attended. Rows that are all padding give unspecified logits, as in kiln.
+        """
+        B, P = input_ids.shape
+        kc, vc = new_cache(self.shape, B, P, self.wte.dtype, self.wte.device)
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        pos = torch.where(attention_mask.bool(), pos, torch.full_like(pos, P))
+        bias = causal_bias(pos, torch.arange(P, device=input_ids.device), self.wte.dtype)
+        return self(input_ids, pos, bias, None, kc, vc)
+
+
+def new_cache(
+    shape: GPT2Shape, num_slots: int, max_context: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[Tensor, Tensor]:
+    """k and v caches (layers, slots, heads, max_context + 1, head_dim); +1 is the scratch column."""
+    if max_context > shape.n_positions:
+        raise ValueError(f"max_context {max_context} exceeds the model's {shape.n_positions} positions")
+    size = (shape.n_layer, num_slots, shape.n_head, max_context + 1, shape.head_dim)
+    return torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device)
+
+
+def causal_bias(positions: Tensor, key_range: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, 1, P, A) additive bias: token at position p sees cache positions 0..p.
+
+    Built once per step and shared by all layers; additive rather than boolean so SDPA
+    does not convert it again in every layer.
+    """
+    visible = key_range.view(1, 1, -1) <= positions.unsqueeze(-1)
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    return torch.where(visible, zero, torch.full((), NEG_INF, dtype=dtype, device=positions.device)).unsqueeze(1)
+
+
+Core = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+class DecodeStep(nn.Module):
+    """One greedy decode step for rows 0..B-1, state advanced in place.
+
+    Written as a module so `torch.compile` sees bias, model, argmax and the state update
+    as one graph (Inductor fuses the small ops), and so a k-step CUDA graph is just k
+    calls of it. Inactive rows keep their token and position; their k/v writes land at
+    their own unchanged position, which the next real step overwrites before reading.
+    """
+
+    def __init__(self, core: Core, max_context: int) -> None:
+        super().__init__()
+        self.core = core
+        self.max_context = max_context
+
+    def forward(self, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        pos = positions.unsqueeze(1)
+        bias = causal_bias(pos, key_range, k_cache.dtype)
+        logits = self.core(tokens.unsqueeze(1), pos, bias, torch.zeros_like(tokens), k_cache, v_cache)
+        nxt = logits.argmax(-1)
+        tokens.copy_(torch.where(active, nxt, tokens))
+        positions.copy_((positions + active.long()).clamp(max=self.max_context))
+        return nxt
+
+
+class PrefillStep(nn.Module):
+    """Prefill new sequences into their slots; other rows write only to scratch.
+
+    `packed` is (B, 2P + 3) int64: ids | positions | last_index | is_new | length, so a
+    prefill costs one host-to-device copy. New rows get their first generated token and
+    position in the decode state and become active; other rows' state is untouched.
+    """
+
+    def __init__(self, core: Core, prompt_width: int) -> None:
+        super().__init__()
+        self.core = core
+        self.P = prompt_width
+
+    def forward(
+        self, packed: Tensor, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        P = self.P
+        ids, pos = packed[:, :P], packed[:, P : 2 * P]
+        last, is_new, length = packed[:, 2 * P], packed[:, 2 * P + 1].bool(), packed[:, 2 * P + 2]
+        logits = self.core(ids, pos, causal_bias(pos, key_range, k_cache.dtype), last, k_cache, v_cache)
+        first = logits.argmax(-1)
+        tokens.copy_(torch.where(is_new, first, tokens))
+        positions.copy_(torch.where(is_new, length, positions))
+        active.copy_(active | is_new)
+        return first
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass
+class _Sequence:
+    index: int  # position in the caller's prompt list
+    slot: int
+    prompt_len: int
+    remaining: int  # tokens still to generate
+    # (log column) per generated token, read back once at the next flush.
+    columns: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+class StaticKVRunner:
+    """Continuous batching over a static slot cache, decode captured as k-step CUDA graphs.
+
+    Graphs are keyed by (row width B, attended length A, steps k) for decode and
+    (B, prompt width P, A) for prefill and captured lazily on first use; they share one
+    memory pool (they never run concurrently, and outputs that outlive a replay live in
+    buffers allocated outside the pool). Host bookkeeping (positions, remaining tokens)
+    mirrors the device state exactly, so with no stop token the host never waits for the
+    device until the final read-back; with a stop token it reads once per chunk.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_slots: int,
+        max_context: int,
+        shape: GPT2Shape | None = None,
+        decode_core: Core | None = None,
+        prefill_core: Core | None = None,
+        compile_step: bool = False,
+        decode_step: Callable[..., Tensor] | None = None,
+        fast_step: Callable[..., Tensor] | None = None,
+        fast_max_width: int = 1,
+        use_graphs: bool | None = None,
+        max_chunk: int = 32,
+        attn_bucket: int = 64,
+        prompt_bucket: int = 16,
+        log_capacity: int = 1024,
+    ) -> None:
+        # `model` is a StaticKVGPT2 or anything with its forward signature, such as a
+        # loaded ExportedProgram's .module() (then `shape` must be given).
+        self.model = model
+        weight = next(iter(model.parameters()))
+        self.device, self.dtype = weight.device, weight.dtype
+        self.S, self.T = num_slots, max_context
+        self.k_cache, self.v_cache = new_cache(shape or model.shape, num_slots, max_context, self.dtype, self.device)
+        decode_core = decode_core or model
+        prefill_core = prefill_core or model
+        self.compiled = compile_step or decode_step is not None
+        if decode_step is not None:
+            # A step compiled once and shared by runners of the same model and context
+            # (compiling is the expensive part of start-up).
+            self.decode_step: Callable[..., Tensor] = decode_step
+        else:
+            self.decode_step = DecodeStep(decode_core, max_context)
+            if compile_step:
+                # Default Inductor mode: the CUDA graph is ours (k steps per graph), so
+                # Inductor's cudagraph trees ("reduce-overhead") would only get in the way.
+                self.decode_step = torch.compile(self.decode_step, fullgraph=True)
+        # An alternative step for narrow calls (e.g. TritonDecodeStep, whose GEMVs re-read
+        # the weights per row and so only pay off for a few rows).
+        self.fast_step, self.fast_max_width = fast_step, fast_max_width
+        self.prefill_core = prefill_core
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        self.max_chunk = max_chunk
+        self.attn_bucket = attn_bucket
+        self.prompt_bucket = prompt_bucket
+        # Device-side decode state for every slot.
+        self.tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self.positions = torch.full((num_slots,), max_context, dtype=torch.long, device=self.device)
+        self.active = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
+        self.key_range = torch.arange(max_context + 1, device=self.device)
+        self.out = torch.zeros(num_slots, max_chunk, dtype=torch.long, device=self.device)
+        self.first = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self.log = torch.zeros(num_slots, log_capacity, dtype=torch.long, device=self.device)
+        self.log_used = 0
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._prefill_inputs: dict[tuple[int, int], Tensor] = {}
+        self._prefill_steps: dict[int, PrefillStep] = {}
+        self._staging: dict[tuple[int, int], tuple[Tensor, torch.cuda.Event | None]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.widths = sorted({min(1 << i, num_slots) for i in range(num_slots.bit_length() + 1)})
+        self.stats = {"decode_graphs": 0, "prefill_graphs": 0, "replays": 0, "syncs": 0}
+
+    # ------------------------------------------------------------------ sizes
+
+    def _width(self, highest_slot: int) -> int:
+        return next(w for w in self.widths if w > highest_slot)
+
+    def _attn_len(self, needed: int) -> int:
+        # Bucketed so few graphs are needed; multiples of 64 keep the bias aligned for
+        # the memory-efficient SDPA kernel. attn_bucket <= 0 means always the full cache.
+        if self.attn_bucket <= 0:
+            return self.T
+        return min(_round_up(needed, self.attn_bucket), self.T)
+
+    # ------------------------------------------------------------------ graph plumbing
+
+    def _run(
+        self, key: tuple, body: Callable[[], None], freeze: Callable[[], None], load: Callable[[], None] | None = None
+    ) -> None:
+        """Run `body` directly, or replay its CUDA graph, capturing it on first use.
+
+        Capture needs one eager warm-up run (compiles kernels, creates cuBLAS handles);
+        `freeze` first puts the state into a form on which running the body changes
+        nothing that matters, and the state is restored afterwards. `load` fills the
+        graph's input buffers, after any capture and before the run.
+        """
+        if not self.use_graphs:
+            if load is not None:
+                load()
+            body()
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            saved = [t.clone() for t in (self.tokens, self.positions, self.active)]
+            freeze()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
+            for t, s in zip((self.tokens, self.positions, self.active), saved):
+                t.copy_(s)
+            self._graphs[key] = graph
+            self.stats["decode_graphs" if key[0] == "decode" else "prefill_graphs"] += 1
+        if load is not None:
+            load()
+        graph.replay()
+        self.stats["replays"] += 1
+
+    def _decode_chunk(self, B: int, A: int, k: int) -> None:
+        tok, pos, act = self.tokens[:B], self.positions[:B], self.active[:B]
+        keys = self.key_range[:A]
+        step = self.fast_step if self.fast_step is not None and B <= self.fast_max_width else self.decode_step
+        if self.compiled and step is self.decode_step:
+            # Compile once for every attended length and row width, instead of a static
+            # compile followed by an automatic-dynamic recompile (width 1 stays special).
+            for t in (tok, pos, act, keys):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
+        def body() -> None:
+            for i in range(k):
+                nxt = step(tok, pos, act, keys, self.k_cache, self.v_cache)
+                self.out[:B, i].copy_(nxt)
+
+        # Frozen rows keep token and position; their k/v writes at unchanged positions
+        # are rewritten by the next real step before anything reads them.
+        self._run(("decode", B, A, k), body, freeze=self.active.zero_)
+
+    def _prefill(self, B: int, P: int, A: int, packed_host: Tensor) -> None:
+        packed = self._prefill_inputs.get((B, P))
+        if packed is None:
+            packed = self._prefill_inputs[(B, P)] = torch.zeros(B, 2 * P + 3, dtype=torch.long, device=self.device)
+        step = self._prefill_steps.setdefault(P, PrefillStep(self.prefill_core, P))
+        keys = self.key_range[:A]
+
+        def body() -> None:
+            first = step(packed, self.tokens[:B], self.positions[:B], self.active[:B], keys, self.k_cache, self.v_cache)
+            self.first[:B].copy_(first)
+
+        def freeze() -> None:
+            # No row is new and every token writes to the scratch column.
+            packed.zero_()
+            packed[:, P : 2 * P] = self.T
+
+        # One small host-to-device copy per prefill, from pinned staging so it is truly
+        # asynchronous (a pageable copy may wait for the decode work queued before it).
+        staging, done = self._staging.get((B, P), (None, None))
+        if staging is None:
+            staging = packed_host.pin_memory() if self.device.type == "cuda" else packed_host.clone()
+            done = torch.cuda.Event() if self.device.type == "cuda" else None
+            self._staging[(B, P)] = (staging, done)
+        else:
+            if done is not None:
+                done.synchronize()  # the previous copy out of this buffer (long finished in practice)
+            staging.copy_(packed_host)
+
+        def load() -> None:
+            packed.copy_(staging, non_blocking=True)
+            if done is not None:
+                done.record()
+
+        self._run(("prefill", B, P, A), body, freeze, load)
+
+    # ------------------------------------------------------------------ log of generated tokens
+
+    def _log_columns(self, n: int, seqs: list[_Sequence]) -> int:
+        if self.log_used + n > self.log.shape[1]:
+            self._flush(seqs)
+        start = self.log_used
+        self.log_used += n
+        return start
+
+    def _flush(self, seqs: list[_Sequence]) -> None:
+        """Read the device log back (the only device->host sync) and resolve tokens."""
+        if self.log_used == 0:
+            return
+        host = self.log[:, : self.log_used].cpu()
+        self.stats["syncs"] += 1
+        for seq in seqs:
+            if seq.columns:
+                row = host[seq.slot]
+                seq.tokens.extend(row[seq.columns].tolist())
+                seq.columns = []
+        self.log_used = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def warm_up(self, batch_sizes: Sequence[int], prompt_len: int, max_new_tokens: int) -> None:
+        """Capture the graphs a workload of these shapes will need (and compile, if asked)."""
+        for b in batch_sizes:
+            self.generate([[0] * prompt_len] * b, max_new_tokens)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        greedy: bool = True,
+        stop_token: int | None = None,
+    ) -> list[list[int]]:
+        """Greedy continuations (without the prompt), continuous batching over the slots.
+
+        Prompts beyond the slot count wait and are admitted as slots free up. A sequence
+        stops after max_new_tokens, or after emitting stop_token (included) if given.
+        """
+        if not greedy:
+            raise NotImplementedError("only greedy decoding is captured; sampling needs graph-safe RNG")
+        for p in prompts:
+            if not 1 <= len(p) or len(p) + max_new_tokens > self.T:
+                raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new exceeds the cache's {self.T} positions")
+        if max_new_tokens < 1:
+            return [[] for _ in prompts]
+        waiting = list(range(len(prompts)))[::-1]
+        running: dict[int, _Sequence] = {}  # slot -> sequence
+        finished: list[_Sequence] = []
+        host_pos = [self.T] * self.S  # mirrors self.positions for running slots
+        self.active.zero_()
+        self.log_used = 0
+
+        def all_seqs() -> list[_Sequence]:
+            return list(running.values()) + finished
+
+        def check_stop() -> None:
+            # Needs the tokens on the host: one read-back per chunk when a stop token is set.
+            self._flush(all_seqs())
+            for seq in running.values():
+                if stop_token in seq.tokens:
+                    seq.tokens = seq.tokens[: seq.tokens.index(stop_token) + 1]
+                    seq.remaining = 0
+
+        def retire() -> None:
+            for slot in [s for s, q in running.items() if q.remaining <= 0]:
+                finished.append(running.pop(slot))
+                self.active[slot] = False  # a fill kernel: no host-device copy, no sync
+
+        while waiting or running:
+            # Admit into free slots, lowest first, so the row width stays small.
+            free = [s for s in range(self.S) if s not in running]
+            admitted: list[_Sequence] = []
+            while waiting and free:
+                i = waiting.pop()
+                seq = _Sequence(i, free.pop(0), len(prompts[i]), max_new_tokens)
+                running[seq.slot] = seq
+                admitted.append(seq)
+            if admitted:
+                B = self._width(max(running))
+                P = min(_round_up(max(s.prompt_len for s in admitted), self.prompt_bucket), self.T)
+                packed = torch.zeros(B, 2 * P + 3, dtype=torch.long)
+                packed[:, P : 2 * P] = self.T
+                for seq in admitted:
+                    n = seq.prompt_len
+                    packed[seq.slot, :n] = torch.tensor(list(prompts[seq.index]), dtype=torch.long)
+                    packed[seq.slot, P : P + n] = torch.arange(n)
+                    packed[seq.slot, 2 * P] = n - 1
+                    packed[seq.slot, 2 * P + 1] = 1
+                    packed[seq.slot, 2 * P + 2] = n
+                    host_pos[seq.slot] = n
+                self._prefill(B, P, self._attn_len(P), packed)
+                col = self._log_columns(1, all_seqs())
+                self.log[:B, col].copy_(self.first[:B])
+                for seq in admitted:
+                    seq.columns.append(col)
+                    seq.remaining -= 1
+                if stop_token is not None:
+                    check_stop()
+                retire()
+            if not running:
+                continue
+            # One chunk: as many steps as every running sequence still needs, capped and
+            # rounded down to a power of two so few distinct graphs are ever captured.
+            steps = min(min(q.remaining for q in running.values()), self.max_chunk)
+            k = 1 << (steps.bit_length() - 1)
+            B = self._width(max(running))
+            A = self._attn_len(max(host_pos[s] for s in running) + k)
+            self._decode_chunk(B, A, k)
+            start = self._log_columns(k, all_seqs())
+            self.log[:B, start : start + k].copy_(self.out[:B, :k])
+            for seq in running.values():
+                seq.columns.extend(range(start, start + k))
+                seq.remaining -= k
+                host_pos[seq.slot] += k
+            if stop_token is not None:
+                check_stop()
+            retire()
+        self._flush(finished)
+        self.active.zero_()
+        result: list[list[int]] = [[] for _ in prompts]
+        for seq in finished:
+            result[seq.index] = seq.tokens[:max_new_tokens]
+        return result
+
+
+def randomize_biases(model: nn.Module, std: float = 0.02) -> None:
+    """N(0, std) on every bias, from the global RNG (the benchmark seeds it first).
+
+    HF initialises biases to zero, and a parity test over zero biases would miss a
+    wrong bias layout; the benchmark's random model therefore has non-zero ones.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, std)
+
+
+def bytes_of_weights(model: StaticKVGPT2) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+__all__ = [
+    "GPT2Shape",
+    "StaticKVGPT2",
+    "StaticKVRunner",
+    "DecodeStep",
+    "PrefillStep",
+    "causal_bias",
+    "new_cache",
+    "randomize_biases",
+    "bytes_of_weights",
+]

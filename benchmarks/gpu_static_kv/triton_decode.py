@@ -1,0 +1,248 @@
+"""A decode step from five hand-written Triton kernels per layer, for small batches.
+
+Why: on the H200 the Inductor-compiled step spends ~410 us of GPU time per token at
+batch 1, 227 us of it in 48 cuBLAS GEMV-shaped GEMMs (tiny grids: one 64-column tile per
+CTA, 36 CTAs for a 2304-wide output, plus split-K reduce kernels) and 70 us in 12 cuDNN
+attention calls. Reading the weights once costs ~58 us. These kernels are GEMVs shaped
+for the memory system instead: many CTAs each streaming a few contiguous weight rows.
+
+Per layer: [LN1 + QKV + bias + k/v cache write] [attention over the slot's cache]
+[O-proj + bias + residual] [LN2 + FC + bias + GELU] [proj + bias + residual]; then
+[LN_f + lm_head + per-block argmax] and [final argmax + token/position update]. The
+residual stream stays fp32; weights and the KV cache keep the model dtype.
+
+Semantics equal `DecodeStep(StaticKVGPT2)`: same cache layout and scratch column, same
+active-row rule, same attended length (key_range), greedy argmax with the lowest index
+winning ties. Rows re-read the weights (from L2) per batch row, so this is for small B;
+the runner falls back to the general step above `fast_max_width`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from static_kv import GPT2Shape
+
+
+@triton.jit
+def _embed_kernel(tok_ptr, pos_ptr, wte_ptr, wpe_ptr, x_ptr, E: tl.constexpr, E_POW2: tl.constexpr, NPOS: tl.constexpr):
+    b = tl.program_id(0)
+    tok = tl.load(tok_ptr + b)
+    pos = tl.minimum(tl.load(pos_ptr + b), NPOS - 1)  # scratch positions clamp, as in the model
+    offs = tl.arange(0, E_POW2)
+    m = offs < E
+    x = tl.load(wte_ptr + tok * E + offs, mask=m, other=0.0).to(tl.float32)
+    x += tl.load(wpe_ptr + pos * E + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(x_ptr + b * E + offs, x, mask=m)
+
+
+@triton.jit
+def _ln_gemv_kernel(
+    x_ptr, lnw_ptr, lnb_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
+    # MODE 1 (QKV): k/v cache views of this layer, (S, H, T+1, D), and positions
+    kc_ptr, vc_ptr, pos_ptr, stride_s, stride_h, stride_t,
+    # MODE 2 (lm_head): per-block max and argmax
+    pval_ptr, pidx_ptr, NB,
+    N, eps,
+    K: tl.constexpr, K_POW2: tl.constexpr, E: tl.constexpr, D: tl.constexpr,
+    HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[b, n] = epilogue(sum_k LN(x[b])[k] * w[n, k]), w row-major (N, K).
+
+    Grid (cdiv(N, BLOCK_N), B). Each CTA recomputes the LayerNorm statistics of its row
+    (K floats, L2-resident) so the norm needs no kernel of its own.
+    """
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    x_row = x_ptr + b * K
+    if HAS_LN:
+        offs = tl.arange(0, K_POW2)
+        mk = offs < K
+        xr = tl.load(x_row + offs, mask=mk, other=0.0)
+        mean = tl.sum(xr, axis=0) / K
+        diff = tl.where(mk, xr - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xk = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+        if HAS_LN:
+            g = tl.load(lnw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            be = tl.load(lnb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            xk = tl.where(mask_k, (xk - mean) * rstd * g + be, 0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if GELU:  # tanh GELU: 0.5 * (1 + tanh(u)) == sigmoid(2u)
+        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * u)
+    if HAS_RES:
+        acc += tl.load(res_ptr + b * N + offs_n, mask=mask_n, other=0.0)
+    if MODE == 0:
+        tl.store(out_ptr + b * N + offs_n, acc, mask=mask_n)
+    elif MODE == 1:
+        # q -> out (B, E); k, v -> the slot's cache row at the row's position.
+        tl.store(out_ptr + b * E + offs_n, acc, mask=mask_n & (offs_n < E))
+        pos = tl.load(pos_ptr + b)
+        kv = tl.where(offs_n >= 2 * E, offs_n - 2 * E, offs_n - E)
+        addr = b * stride_s + (kv // D) * stride_h + pos * stride_t + kv % D
+        val = acc.to(kc_ptr.dtype.element_ty)
+        tl.store(kc_ptr + addr, val, mask=mask_n & (offs_n >= E) & (offs_n < 2 * E))
+        tl.store(vc_ptr + addr, val, mask=mask_n & (offs_n >= 2 * E))
+    else:
+        vals = tl.where(mask_n, acc, float("-inf"))
+        tl.store(pval_ptr + b * NB + pid_n, tl.max(vals, axis=0))
+        tl.store(pidx_ptr + b * NB + pid_n, (pid_n * BLOCK_N + tl.argmax(vals, axis=0)).to(tl.int64))
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, scale, stride_s, stride_h, stride_t,
+    n_keys: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """One (row, head) per CTA: online softmax over cache positions t < n_keys, t <= pos.
+
+    n_keys is a compile-time constant: one specialisation per attended-length bucket
+    (a handful), and it keeps the loop bound static. BLOCK_T >= n_keys makes it one pass
+    (all loads in flight at once); at batch 1 only H CTAs run, so latency, not
+    bandwidth, is what a smaller BLOCK_T costs (measured: 7.3 us a call at BLOCK_T=64).
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + b)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BLOCK_T)
+    q = tl.load(q_ptr + b * H * D + h * D + offs_d) * scale
+    base = b * stride_s + h * stride_h
+    # First block outside the loop: position 0 is always visible, so m and l start finite.
+    mt = (offs_t <= pos) & (offs_t < n_keys)
+    kv_off = base + offs_t[:, None] * stride_t + offs_d[None, :]
+    k = tl.load(kc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+    s = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+    m_i = tl.max(s, axis=0)
+    p = tl.exp(s - m_i)
+    l_i = tl.sum(p, axis=0)
+    v = tl.load(vc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+    acc = tl.sum(p[:, None] * v, axis=0)
+    for t0 in range(BLOCK_T, n_keys, BLOCK_T):
+        t = t0 + offs_t
+        mt = (t <= pos) & (t < n_keys)
+        kv_off = base + t[:, None] * stride_t + offs_d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+        s = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        v = tl.load(vc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    tl.store(out_ptr + b * H * D + h * D + offs_d, acc / l_i)
+
+
+@triton.jit
+def _finish_kernel(pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2: tl.constexpr):
+    """Argmax over the lm_head blocks, then advance the row's decode state."""
+    b = tl.program_id(0)
+    offs = tl.arange(0, NB_POW2)
+    v = tl.load(pval_ptr + b * NB + offs, mask=offs < NB, other=float("-inf"))
+    best = tl.argmax(v, axis=0)  # lowest block wins a tie, and blocks hold ascending ids
+    nxt = tl.load(pidx_ptr + b * NB + best)
+    act = tl.load(act_ptr + b) != 0
+    tl.store(nxt_ptr + b, nxt)
+    tl.store(tok_ptr + b, tl.where(act, nxt, tl.load(tok_ptr + b)))
+    pos = tl.load(pos_ptr + b)
+    tl.store(pos_ptr + b, tl.minimum(pos + act.to(tl.int64), MAX_POS))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class TritonDecodeStep:
+    """Drop-in for DecodeStep: (tokens, positions, active, key_range, k_cache, v_cache) -> next.
+
+    Built from StaticKVGPT2-named parameters (a StaticKVGPT2's or a loaded program's
+    named_parameters()); projection weights are copied once into (out, in) layout so each
+    CTA streams contiguous rows.
+    """
+
+    # (BLOCK_N, BLOCK_K) per GEMV: the best of six tilings measured on the H200 (run 3,
+    # "narrow_attn1_w8": 38.4 ms per 32+128-token generation at batch 1; the first
+    # tiling, (16,256),(4,256),(16,256),(4,512),(32,256) with 64-key attention blocks
+    # and 4 warps, gave 41.5). Narrow tiles = more CTAs in flight per GEMV.
+    QKV, OPROJ, FC, MPROJ, HEAD = (8, 256), (2, 256), (8, 256), (2, 1024), (16, 256)
+    GEMV_WARPS = 4
+    # One pass over the attended keys (BLOCK_T is capped by the attended length); 8 warps
+    # because a 256x64 fp32 K or V tile spills registers with 4.
+    ATTN_BLOCK_T, ATTN_WARPS = 256, 8
+
+    def __init__(self, params: Mapping[str, Tensor], shape: GPT2Shape, max_context: int, linear_layout: bool = False) -> None:
+        self.s = shape
+        self.max_context = max_context
+
+        def rows(name: str) -> Tensor:
+            w = params[name]
+            return w.contiguous() if linear_layout else w.transpose(-1, -2).contiguous()
+
+        self.w_qkv, self.w_o, self.w_fc, self.w_mp = rows("w_qkv"), rows("w_o"), rows("w_fc"), rows("w_mp")
+        self.p = {k: params[k] for k in ("b_qkv", "b_o", "b_fc", "b_mp", "ln1_w", "ln1_b", "ln2_w", "ln2_b", "lnf_w", "lnf_b", "wte", "wpe")}
+        self.head = params["lm_head"] if params.get("lm_head") is not None else params["wte"]
+        self.scale = 1.0 / math.sqrt(shape.head_dim)
+
+    def _gemv(self, x, w, blocks, N, K, out, *, ln=None, bias=None, res=None, gelu=False, mode=0, qkv=None, argmax=None) -> None:
+        BN, BK = blocks
+        B = x.shape[0]
+        kc, vc, pos = qkv if qkv is not None else (out, out, out)
+        pval, pidx = argmax if argmax is not None else (out, out)
+        nb = pval.shape[-1] if argmax is not None else 1
+        stride = kc.stride() if qkv is not None else (0, 0, 0)
+        _ln_gemv_kernel[(triton.cdiv(N, BN), B)](
+            x, ln[0] if ln else x, ln[1] if ln else x, w, bias if bias is not None else x, res if res is not None else x, out,
+            kc, vc, pos, stride[0], stride[1], stride[2],
+            pval, pidx, nb,
+            N, 1e-5 if ln is None else self.s.eps,
+            K=K, K_POW2=_pow2(K), E=self.s.n_embd, D=self.s.head_dim,
+            HAS_LN=ln is not None, HAS_BIAS=bias is not None, GELU=gelu, HAS_RES=res is not None, MODE=mode,
+            BLOCK_N=BN, BLOCK_K=BK, num_warps=self.GEMV_WARPS,
+        )
+
+    def __call__(self, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        s, p = self.s, self.p
+        B, E, H, D, I, V = tokens.shape[0], s.n_embd, s.n_head, s.head_dim, s.n_inner, s.vocab_size
+        dev = tokens.device
+        x = torch.empty(B, E, device=dev, dtype=torch.float32)
+        q = torch.empty(B, E, device=dev, dtype=torch.float32)
+        o = torch.empty(B, E, device=dev, dtype=torch.float32)
+        hid = torch.empty(B, I, device=dev, dtype=torch.float32)
+        nb = triton.cdiv(V, self.HEAD[0])
+        pval = torch.empty(B, nb, device=dev, dtype=torch.float32)
+        pidx = torch.empty(B, nb, device=dev, dtype=torch.int64)
+        nxt = torch.empty(B, device=dev, dtype=torch.int64)
+        _embed_kernel[(B,)](tokens, positions, p["wte"], p["wpe"], x, E=E, E_POW2=_pow2(E), NPOS=s.n_positions)
+        n_keys = key_range.shape[0]
+        for layer in range(s.n_layer):
+            kc, vc = k_cache[layer], v_cache[layer]
+            self._gemv(x, self.w_qkv[layer], self.QKV, 3 * E, E, q, ln=(p["ln1_w"][layer], p["ln1_b"][layer]), bias=p["b_qkv"][layer], mode=1, qkv=(kc, vc, positions))
+            st = kc.stride()
+            _decode_attn_kernel[(B, H)](
+                q, kc, vc, positions, o, self.scale, st[0], st[1], st[2],
+                n_keys=n_keys, H=H, D=D, BLOCK_T=min(self.ATTN_BLOCK_T, _pow2(n_keys)), num_warps=self.ATTN_WARPS,
+            )
+            self._gemv(o, self.w_o[layer], self.OPROJ, E, E, x, bias=p["b_o"][layer], res=x)
+            self._gemv(x, self.w_fc[layer], self.FC, I, E, hid, ln=(p["ln2_w"][layer], p["ln2_b"][layer]), bias=p["b_fc"][layer], gelu=True)
+            self._gemv(hid, self.w_mp[layer], self.MPROJ, E, I, x, bias=p["b_mp"][layer], res=x)
+        self._gemv(x, self.head, self.HEAD, V, E, x, ln=(p["lnf_w"], p["lnf_b"]), mode=2, argmax=(pval, pidx))
+        _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb))
+        return nxt
