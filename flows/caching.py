@@ -19,7 +19,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prefect import get_run_logger, task
 from pydantic import BaseModel
@@ -58,6 +58,16 @@ def task_cache_key(context, parameters: dict[str, Any]) -> str:
     return content_key(context.task.name, stage_version(context.task.fn), parameters)
 
 
+class StageOutput(Protocol):
+    """What a cached stage returns (TrainedModel, ExportedOnnx, CalibrationSet, PrecisionOnnx,
+    EngineDir, GatedEngine): where its files are, and whether they still are what was made."""
+
+    @property
+    def output_dir(self) -> Path: ...
+
+    def is_intact(self) -> bool: ...
+
+
 class CachedStage:
     """A stage as a Prefect task cached on content, whose cached output is reused only if it
     is intact (`is_intact()`: its folder is there and its recorded digest still matches).
@@ -68,9 +78,9 @@ class CachedStage:
         self.task = task(name=name, cache_key_fn=task_cache_key, persist_result=True)(fn)
         self._rerun = self.task.with_options(refresh_cache=True)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any) -> StageOutput:
         state = self.task(*args, return_state=True)
-        value = state.result()
+        value: StageOutput = state.result()
         if state.name != "Cached" or value.is_intact():
             return value
         get_run_logger().warning("%s: the cached output %s is gone or changed; running the stage again", self.name, value.output_dir)

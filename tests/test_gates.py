@@ -79,3 +79,77 @@ def test_a_report_is_written_as_json_markdown_and_a_plot(tmp_path, engine, refer
     assert "| quality | top1_agreement |" in paths[1].read_text()
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(report.flat_numbers()) >= {"gates.quality.top1_agreement", "gates.quality.ppl_increase_pct", "gates.latency.p95_ms"}
+
+
+# ---------------------------------------------------------------- the report people read (literal expectations)
+
+from components.gates import GateReport, GateResult, fastest_passing, limit_text  # noqa: E402
+
+QUALITY_OK = GateResult("quality", True, {"top1_agreement": 0.995, "ppl_increase_pct": 0.25}, {"min_top1_agreement": 0.99, "max_ppl_increase_pct": 1.0})
+LATENCY_SLOW = GateResult("latency", False, {"p50_ms": 12.0, "p95_ms": 31.5}, {"max_p95_ms": 30.0}, (11.0, 12.0, 31.5))
+
+
+def test_a_passing_gate_has_no_failure_lines_and_a_failing_one_names_each_broken_limit():
+    assert QUALITY_OK.failures() == [] and bool(QUALITY_OK)
+    assert LATENCY_SLOW.failures() == ["latency: p95_ms 31.5 (limit <= 30)"] and not LATENCY_SLOW
+    both_broken = GateResult("quality", False, {"top1_agreement": 0.9, "ppl_increase_pct": 3.0}, {"min_top1_agreement": 0.97, "max_ppl_increase_pct": 2.0})
+    assert both_broken.failures() == ["quality: top1_agreement 0.9 (limit >= 0.97), ppl_increase_pct 3 (limit <= 2)"]
+    unmeasured = GateResult("latency", False, {"p50_ms": 5.0}, {"max_p95_ms": 1.0, "min_top1_agreement": 0.5})
+    assert unmeasured.failures() == ["latency: "]  # a limit with nothing measured against it names nothing
+
+
+def test_a_report_passes_only_when_every_gate_does_and_flattens_to_registry_names():
+    report = GateReport((QUALITY_OK, LATENCY_SLOW))
+    assert not report.passed and not report
+    assert GateReport((QUALITY_OK,)).passed
+    assert report.gate("latency") is LATENCY_SLOW
+    assert report.failures() == ["latency: p95_ms 31.5 (limit <= 30)"]
+    assert report.flat_numbers() == {
+        "gates.quality.top1_agreement": 0.995,
+        "gates.quality.ppl_increase_pct": 0.25,
+        "gates.latency.p50_ms": 12.0,
+        "gates.latency.p95_ms": 31.5,
+    }
+
+
+def test_the_json_report_keeps_every_number_limit_and_latency_sample():
+    saved = GateReport((QUALITY_OK, LATENCY_SLOW)).to_dict()
+    assert saved["passed"] is False
+    assert saved["gates"][1] == {
+        "name": "latency",
+        "passed": False,
+        "measured": {"p50_ms": 12.0, "p95_ms": 31.5},
+        "thresholds": {"max_p95_ms": 30.0},
+        "samples_ms": [11.0, 12.0, 31.5],
+    }
+    assert json.loads(json.dumps(saved)) == saved
+
+
+def test_the_markdown_report_is_a_table_with_each_limit_and_its_verdict():
+    assert GateReport((QUALITY_OK, LATENCY_SLOW)).to_markdown() == (
+        "# Gate report: FAILED\n"
+        "\n"
+        "| gate | measure | value | limit | |\n"
+        "|---|---|---|---|---|\n"
+        "| quality | top1_agreement | 0.995 | >= 0.99 | ✅ |\n"
+        "| quality | ppl_increase_pct | 0.25 | <= 1 | ✅ |\n"
+        "| latency | p50_ms | 12 |  |  |\n"
+        "| latency | p95_ms | 31.5 | <= 30 | ❌ |\n"
+    )
+    assert GateReport((QUALITY_OK,)).to_markdown().startswith("# Gate report: PASSED\n")
+
+
+def test_limit_text_says_the_direction_or_nothing():
+    assert limit_text("top1_agreement", {"min_top1_agreement": 0.97}) == ">= 0.97"
+    assert limit_text("p95_ms", {"max_p95_ms": 500.0}) == "<= 500"
+    assert limit_text("p50_ms", {"max_p95_ms": 500.0}) == ""
+    assert limit_text("p95_ms", {}) == ""
+
+
+def test_challenger_goes_to_the_fastest_engine_that_passed_every_gate():
+    def gated(p50: float, passed: bool) -> GateReport:
+        return GateReport((QUALITY_OK, GateResult("latency", passed, {"p50_ms": p50, "p95_ms": p50}, {"max_p95_ms": 100.0})))
+
+    reports = {"fp32": gated(9.0, True), "int8": gated(5.0, False), "fp16": gated(7.0, True)}
+    assert fastest_passing(list(reports), reports.get) == "fp16"
+    assert fastest_passing(["int8"], reports.get) is None
