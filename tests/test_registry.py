@@ -1,5 +1,8 @@
 """The MLflow registry on a temporary SQLite store: versions, tags, aliases, downloads."""
 
+import json
+from pathlib import Path
+
 import pytest
 from mlflow import MlflowClient
 
@@ -9,6 +12,7 @@ from registry import (
     CHALLENGER,
     CHAMPION,
     RegistryTarget,
+    aliases_of,
     RunRecord,
     download_version,
     find_version_by_sha256,
@@ -77,6 +81,7 @@ def test_promote_points_champion_at_the_challenger(registry_target, engine_dir):
     promoted = promote(registry_target)
     assert promoted.version == registration.version
     assert set(promoted.aliases) == {CHALLENGER, CHAMPION}
+    assert aliases_of(registry_target) == {CHALLENGER: registration.version, CHAMPION: registration.version}
 
 
 def test_a_downloaded_version_is_the_engine_that_was_registered(registry_target, engine_dir, tmp_path):
@@ -103,3 +108,35 @@ def test_an_unreachable_tracking_server_fails_fast_with_its_address():
 def test_an_alias_on_a_missing_model_is_a_registry_error(registry_target):
     with pytest.raises(RegistryError, match="does not resolve"):
         resolve_alias(registry_target, CHAMPION)
+
+
+def test_the_registry_target_is_the_configured_uri_or_the_projects_embedded_store(tmp_path):
+    from components.config import RegistryParams
+    from registry import registry_target
+
+    embedded = registry_target(RegistryParams(), tmp_path)
+    assert embedded == RegistryTarget(f"sqlite:///{tmp_path}/mlruns/mlflow.db", "kiln-gpt2", "kiln", tmp_path / "mlruns" / "artifacts")
+    named = registry_target(RegistryParams(tracking_uri="sqlite:////srv/store/db.sqlite", model_name="m", experiment="e"), tmp_path)
+    assert named == RegistryTarget("sqlite:////srv/store/db.sqlite", "m", "e", Path("/srv/store/artifacts"))
+    server = registry_target(RegistryParams(tracking_uri="http://mlflow.internal:5000", model_name="m", experiment="e"), tmp_path)
+    assert server == RegistryTarget("http://mlflow.internal:5000", "m", "e", None)
+
+
+def test_a_registration_logs_its_datasets_with_digest_source_context_and_profile(registry_target, engine_dir):
+    from registry import DatasetRecord
+
+    datasets = (
+        DatasetRecord("corpus", "d" * 40 + ".dir", "data.dvc", "training"),
+        DatasetRecord("calibration", "c" * 64, "/stages/calibration/x", "calibration", {"samples": 128}),
+    )
+    run_record = RunRecord(params={}, metrics={}, version_tags={"gates.passed": "true"}, datasets=datasets)
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, run_record)
+    inputs = MlflowClient(registry_target.tracking_uri).get_run(registration.run_id).inputs.dataset_inputs
+    logged = {d.dataset.name: d for d in inputs}
+    assert set(logged) == {"corpus", "calibration"}
+    corpus, calibration = logged["corpus"], logged["calibration"]
+    assert corpus.dataset.digest == "d" * 36  # MLflow's digest column holds 36 characters
+    assert json.loads(corpus.dataset.source) == {"uri": "data.dvc"} and corpus.dataset.source_type == "local"
+    assert {(t.key, t.value) for t in corpus.tags} == {("mlflow.data.context", "training")}
+    assert {(t.key, t.value) for t in calibration.tags} == {("mlflow.data.context", "calibration")}
+    assert json.loads(calibration.dataset.profile) == {"samples": 128}
