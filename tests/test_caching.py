@@ -9,6 +9,9 @@ from components.model_dir import TrainedModel
 from flows.caching import content_key, stage_version
 
 
+GOLDEN_EXPORT_KEY = "da26ed950cc237313b47aba534f0d75fbfbdab4d6d5c96ea60253cfe0fc74b2d"
+
+
 def model(sha256: str, where: str = "/models/a") -> TrainedModel:
     return TrainedModel(path=Path(where), sha256=sha256)
 
@@ -53,3 +56,10 @@ def test_every_cached_stage_declares_its_version_and_one_without_is_refused():
     assert all(stage_version(stage).isdigit() for stage in stages)
     with pytest.raises(TypeError, match="declares no STAGE_VERSION"):
         stage_version(test_a_stage_version_bump_or_another_task_misses)
+
+
+def test_cache_keys_are_stable_across_releases_unless_a_stage_version_changes():
+    # A change of key format silently re-runs every stage of every project (training too):
+    # this pins it. Change the literal only together with a deliberate re-run.
+    key = content_key("export-onnx", "1", {"model": model("aa"), "params": ExportParams(), "out": Path("/p/onnx"), "n": [1, "x", None]})
+    assert key == GOLDEN_EXPORT_KEY

@@ -150,6 +150,29 @@ def test_challenger_goes_to_the_fastest_engine_that_passed_every_gate():
     def gated(p50: float, passed: bool) -> GateReport:
         return GateReport((QUALITY_OK, GateResult("latency", passed, {"p50_ms": p50, "p95_ms": p50}, {"max_p95_ms": 100.0})))
 
-    reports = {"fp32": gated(9.0, True), "int8": gated(5.0, False), "fp16": gated(7.0, True)}
-    assert fastest_passing(list(reports), reports.get) == "fp16"
+    reports = {"fp32": gated(5.0, True), "int8": gated(3.0, False), "fp16": gated(7.0, True)}
+    assert fastest_passing(list(reports), reports.get) == "fp32"  # not "fp16", which sorts first
     assert fastest_passing(["int8"], reports.get) is None
+
+
+def test_only_the_broken_measure_is_named_and_a_value_on_its_limit_passes():
+    mixed = GateResult("quality", False, {"top1_agreement": 0.97, "ppl_increase_pct": 2.5}, {"min_top1_agreement": 0.97, "max_ppl_increase_pct": 2.0})
+    assert mixed.failures() == ["quality: ppl_increase_pct 2.5 (limit <= 2)"]
+
+
+def test_the_latency_prompt_may_use_every_token_of_the_windows():
+    from components.errors import DataError
+    from components.gates import latency_prompt
+
+    windows = np.arange(12).reshape(3, 4)
+    assert latency_prompt(windows, 12) == list(range(12))
+    with pytest.raises(DataError, match="need 13 prompt tokens"):
+        latency_prompt(windows, 13)
+
+
+def test_a_report_is_written_into_a_folder_that_does_not_exist_yet(tmp_path):
+    latency = GateResult("latency", False, {"p50_ms": 12.0, "p95_ms": 31.5, "new_tokens": 32.0}, {"max_p95_ms": 30.0}, (11.0, 12.0, 31.5))
+    paths = write_report(GateReport((QUALITY_OK, latency)), tmp_path / "gates" / "abc")
+    assert [p.name for p in paths] == ["report.json", "report.md", "latency.png"]
+    assert json.loads(paths[0].read_text())["passed"] is False
+    assert paths[2].read_bytes()[:4] == b"\x89PNG"
