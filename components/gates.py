@@ -180,16 +180,21 @@ def _target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- latency
 
 
-def latency_gate(engine: Engine, prompt: list[int], params: LatencyGateParams) -> GateResult:
-    """p50 / p95 of generating `new_tokens` after a `prompt_tokens` prompt, after warm-up."""
+def latency_gate(
+    engine: Engine, prompt: list[int], params: LatencyGateParams, clock: Callable[[], float] = time.perf_counter
+) -> GateResult:
+    """p50 / p95 of generating `new_tokens` after a `prompt_tokens` prompt, after warm-up.
+    `clock` (seconds) reads the start and end of each timed generation."""
     sampling = Sampling(max_new_tokens=params.new_tokens, stop_at_eos=False)
     samples = []
     with stage_progress("latency gate", total=params.warmup + params.runs) as advance:
-        for run in range(params.warmup + params.runs):
-            start = time.perf_counter()
+        for _ in range(params.warmup):
             engine.generate([prompt], sampling)
-            if run >= params.warmup:
-                samples.append((time.perf_counter() - start) * 1000.0)
+            advance(1, "warm-up")
+        for _ in range(params.runs):
+            start = clock()
+            engine.generate([prompt], sampling)
+            samples.append((clock() - start) * 1000.0)
             advance(1, "")
     p50, p95 = (float(np.percentile(samples, q)) for q in (50, 95))
     measured = {"p50_ms": p50, "p95_ms": p95, "ms_per_token": p50 / params.new_tokens, "new_tokens": float(params.new_tokens)}

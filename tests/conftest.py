@@ -42,6 +42,7 @@ from components.config import (  # noqa: E402
     TokenizerParams,
     TrainingParams,
 )
+from components.runtime.engine import Engine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NEAR_DUPLICATE_PASSAGES, NEAR_DUPLICATE_VARIANTS = 16, 4
@@ -179,3 +180,19 @@ def registry_target(tmp_path):
     from registry import RegistryTarget
 
     return RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test", "kiln-test", tmp_path / "artifacts")
+
+
+class EosAfter(Engine):
+    """The real engine, except that from decode step `after` on, its logits favour EOS."""
+
+    def __init__(self, inner: Engine, after: int) -> None:
+        super().__init__(inner.engine_dir)
+        self.inner, self.after, self.calls = inner, after, 0
+
+    def forward(self, input_ids, attention_mask, position_ids, cache):
+        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache)
+        self.calls += 1
+        if self.calls > self.after:
+            logits = logits.copy()
+            logits[..., self.manifest.eos_token_id] = logits.max() + 10.0
+        return logits, present

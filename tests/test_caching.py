@@ -8,7 +8,6 @@ from components.config import ExportParams
 from components.model_dir import TrainedModel
 from flows.caching import content_key, stage_version
 
-
 GOLDEN_EXPORT_KEY = "da26ed950cc237313b47aba534f0d75fbfbdab4d6d5c96ea60253cfe0fc74b2d"
 
 

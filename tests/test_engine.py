@@ -11,9 +11,10 @@ from components.engine_dir import load_engine_dir
 from components.errors import EngineError, ShapeOutOfProfile
 from components.files import file_sha256
 from components.runtime import load_engine
-from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
+
+from .conftest import EosAfter
 
 
 def test_engine_json_records_identity_profiles_and_lineage(engine_dir, tiny_model, exported, data_version):
@@ -106,22 +107,6 @@ def test_a_batch_larger_than_the_profile_is_refused_with_the_limit(engine):
     limit = engine.manifest.profiles["context"].batch.max
     with pytest.raises(ShapeOutOfProfile, match=rf"batch {limit + 1} is outside the engine's profile \(1\.\.{limit}\)"):
         engine.generate([[1, 2, 3]] * (limit + 1), Sampling(max_new_tokens=1))
-
-
-class EosAfter(Engine):
-    """The real engine, except that from decode step `after` on, its logits favour EOS."""
-
-    def __init__(self, inner: Engine, after: int) -> None:
-        super().__init__(inner.engine_dir)
-        self.inner, self.after, self.calls = inner, after, 0
-
-    def forward(self, input_ids, attention_mask, position_ids, cache):
-        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache)
-        self.calls += 1
-        if self.calls > self.after:
-            logits = logits.copy()
-            logits[..., self.manifest.eos_token_id] = logits.max() + 10.0
-        return logits, present
 
 
 def test_generation_stops_at_eos_and_leaves_it_out_unless_told_not_to(engine):

@@ -176,3 +176,19 @@ def test_a_report_is_written_into_a_folder_that_does_not_exist_yet(tmp_path):
     assert [p.name for p in paths] == ["report.json", "report.md", "latency.png"]
     assert json.loads(paths[0].read_text())["passed"] is False
     assert paths[2].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_latency_gate_times_full_generations_after_warm_up_and_reports_percentiles(engine):
+    """A controlled clock: each timed generation's start and end are read once, so the gate
+    sees the durations below. An engine that would stop at EOS still generates every token."""
+    from .conftest import EosAfter
+
+    durations_ms = [10.0, 20.0, 30.0, 40.0, 50.0]  # of the timed runs; the warm-up is not timed
+    ticks = iter([t for d in durations_ms for t in (1.0, 1.0 + d / 1000.0)])
+    eos_early = EosAfter(engine, after=1)
+    params = LatencyGateParams(prompt_tokens=3, new_tokens=4, warmup=1, runs=5, max_p95_ms=45.0)
+    result = latency_gate(eos_early, [5, 17, 42], params, clock=lambda: next(ticks))
+    assert eos_early.calls == 6 * 4  # prefill and three decode steps per generation, EOS notwithstanding
+    assert result.samples_ms == pytest.approx((10.0, 20.0, 30.0, 40.0, 50.0))
+    assert result.measured == pytest.approx({"p50_ms": 30.0, "p95_ms": 48.0, "ms_per_token": 7.5, "new_tokens": 4.0})
+    assert not result.passed and result.thresholds == {"max_p95_ms": 45.0}
