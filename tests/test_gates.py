@@ -192,3 +192,29 @@ def test_the_latency_gate_times_full_generations_after_warm_up_and_reports_perce
     assert result.samples_ms == pytest.approx((10.0, 20.0, 30.0, 40.0, 50.0))
     assert result.measured == pytest.approx({"p50_ms": 30.0, "p95_ms": 48.0, "ms_per_token": 7.5, "new_tokens": 4.0})
     assert not result.passed and result.thresholds == {"max_p95_ms": 45.0}
+
+
+def test_the_quality_gate_measures_every_window_reports_its_numbers_and_passes_on_its_limits(engine, reference, windows):
+    flatter = FlattenedEngine(engine, 0.9)  # same argmax, a little more perplexity
+    first = quality_gate(flatter, reference, windows, QualityGateParams(sequences=8, sequence_length=32))
+    measured = first.measured
+    assert set(measured) == {"top1_agreement", "ppl_engine", "ppl_reference", "ppl_increase_pct", "tokens"}
+    assert measured["tokens"] == windows.shape[0] * (windows.shape[1] - 1)  # every next-token position of every window
+    assert measured["ppl_increase_pct"] == pytest.approx(100.0 * (measured["ppl_engine"] / measured["ppl_reference"] - 1.0))
+    on_the_limits = QualityLimits(min_top1_agreement=measured["top1_agreement"], max_ppl_increase_pct=measured["ppl_increase_pct"])
+    again = quality_gate(flatter, reference, windows, QualityGateParams(sequences=8, sequence_length=32, limits={"fp32": on_the_limits}))
+    assert again.passed
+
+
+def test_eval_windows_are_cut_in_order_and_too_little_text_is_named(engine_dir):
+    from components.errors import DataError
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    text = "The list type is a mutable sequence of items. " * 40
+    stream = tokenizer.encode(text)
+    one = eval_windows(tokenizer, [text], QualityGateParams(sequences=1, sequence_length=len(stream)))
+    assert one.tolist() == [stream]
+    two = eval_windows(tokenizer, [text, text], QualityGateParams(sequences=2, sequence_length=16))
+    assert two.tolist() == [stream[:16], stream[16:32]] and two.dtype == np.int64
+    with pytest.raises(DataError, match=f"the eval split has {len(stream)} tokens, fewer than one window of {len(stream) + 1}"):
+        eval_windows(tokenizer, [text], QualityGateParams(sequences=1, sequence_length=len(stream) + 1))
