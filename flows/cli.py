@@ -101,9 +101,9 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
     from registry import preflight, registry_target
 
     params = _load(params_file)
-    preflight(registry_target(params.registry, root))  # before Prefect's server starts (seconds)
     if from_model:
         model_dir = _model_to_build(model_dir, params)
+    preflight(registry_target(params.registry, root))  # before Prefect's server starts (seconds)
     if fresh:
         import shutil
 

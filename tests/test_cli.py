@@ -56,7 +56,8 @@ def test_bad_params_end_with_one_line_and_exit_2(tmp_path, text, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_a_corrupt_model_directory_exits_2_naming_it(tmp_path):
+def test_a_corrupt_model_directory_exits_2_naming_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{broken")
     (tmp_path / "params.yaml").write_text("")
