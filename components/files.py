@@ -3,6 +3,7 @@ registry key on) and atomic output directories (a crash never leaves half a stag
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -90,3 +91,28 @@ def stage_output(target: Path, complete_marker: str, build: Callable[[Path], Non
         with atomic_directory(target) as staging:
             build(staging)
     return target
+
+
+@contextmanager
+def exclusive_lock(lock_file: Path) -> Iterator[None]:
+    """An advisory lock on `lock_file` across every process of this machine; re-entrant
+    within a process (flock on a second descriptor of the same file would wait for itself)."""
+    if lock_file in _held_locks:
+        _held_locks[lock_file] += 1
+        try:
+            yield
+        finally:
+            _held_locks[lock_file] -= 1
+        return
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        _held_locks[lock_file] = 1
+        try:
+            yield
+        finally:
+            del _held_locks[lock_file]
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_held_locks: dict[Path, int] = {}

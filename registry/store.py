@@ -8,7 +8,6 @@ the version exists deletes it again, so no half-registered version is left behin
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import socket
@@ -19,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from components.errors import RegistryError
-from components.files import process_alive
+from components.files import exclusive_lock, process_alive
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
 from registry.target import is_embedded
 from registry.verify import check_gates, verify_download
@@ -139,26 +138,8 @@ def store_lock(target: RegistryTarget) -> Iterator[None]:
     if not is_embedded(target):
         yield
         return
-    lock_file = Path(target.tracking_uri.removeprefix("sqlite:///")).with_suffix(".kiln-lock")
-    if lock_file in _held_locks:
-        _held_locks[lock_file] += 1
-        try:
-            yield
-        finally:
-            _held_locks[lock_file] -= 1
-        return
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with lock_file.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        _held_locks[lock_file] = 1
-        try:
-            yield
-        finally:
-            del _held_locks[lock_file]
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-_held_locks: dict[Path, int] = {}
+    with exclusive_lock(Path(target.tracking_uri.removeprefix("sqlite:///")).with_suffix(".kiln-lock")):
+        yield
 
 
 def _create_run(client, target: RegistryTarget, engine_sha256: str) -> str:

@@ -7,17 +7,14 @@ alias cannot move mid-download. The copy is checked against the version's tags
 
 from __future__ import annotations
 
-import fcntl
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from components.engine_dir import MANIFEST, EngineDir
 from components.errors import EngineError, VersionRefused
-from components.files import stage_output
-from components.runtime import load_engine
+from components.files import exclusive_lock, stage_output
+from components.runtime import open_engine
 from components.runtime.engine import Engine
 from registry import RegistryTarget, VersionInfo, download_version, get_version, resolve_alias
 from registry.verify import check_gates, verified_engine_dir
@@ -50,16 +47,17 @@ def pull(info: VersionInfo, target: RegistryTarget, cache_root: Path) -> PulledV
     check_gates(info)
     local = cache_root / info.name / info.version
     if not (local / MANIFEST).is_file():
-        with _locked(local.parent):
+        with exclusive_lock(local.parent / ".lock"):  # one process fills the cache
             if not (local / MANIFEST).is_file():
                 _download_into(target, info.version, local)
     return PulledVersion(info, verified_engine_dir(info, local))
 
 
 def load(pulled: PulledVersion, threads: int | None = None) -> Engine:
-    """Open the pulled engine with the runtime of its backend (the one the gates used)."""
+    """Open the pulled engine with the runtime of its backend (the one the gates used); the
+    directory was verified by `pull`, so its engine file is not hashed again."""
     try:
-        return load_engine(pulled.engine_dir.path, threads=threads)
+        return open_engine(pulled.engine_dir, threads=threads)
     except EngineError as err:
         raise VersionRefused(f"{pulled.label} is refused: {err}") from err
 
@@ -72,15 +70,3 @@ def _download_into(target: RegistryTarget, version: str, local: Path) -> None:
         shutil.rmtree(staging / ".download")
 
     stage_output(local, MANIFEST, fill)
-
-
-@contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """One process at a time fills a model's cache folder (an advisory file lock)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / ".lock").open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

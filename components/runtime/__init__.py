@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from components.engine_dir import load_engine_dir
+from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import BackendUnavailable
 from components.runtime.engine import Engine
 
 
 def load_engine(path: Path, threads: int | None = None) -> Engine:
     """Verify an engine directory and open it with the runtime of its backend."""
-    engine_dir = load_engine_dir(path)
+    return open_engine(load_engine_dir(path), threads)
+
+
+def open_engine(engine_dir: EngineDir, threads: int | None = None) -> Engine:
+    """Open an engine directory already verified (`load_engine_dir`) with its backend's runtime."""
     backend = engine_dir.manifest.backend
     if backend == "onnxruntime":
         from components.runtime.onnxruntime import OrtEngine
@@ -25,4 +29,4 @@ def load_engine(path: Path, threads: int | None = None) -> Engine:
         from components.runtime.tensorrt import TrtEngine
 
         return TrtEngine(engine_dir)
-    raise BackendUnavailable(f"engine {path} needs backend {backend!r}, which this kiln cannot run")
+    raise BackendUnavailable(f"engine {engine_dir.path} needs backend {backend!r}, which this kiln cannot run")
