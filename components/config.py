@@ -241,6 +241,23 @@ class SampleParams(_Section):
     seed: int = 0
 
 
+class ServingParams(_Section):
+    """`kiln serve`: which alias it follows and how it treats clients. Secrets never live
+    here: the bearer token and the webhook secret come from KILN_API_KEY and
+    KILN_WEBHOOK_SECRET."""
+
+    alias: str = Field("champion", pattern=r"^[A-Za-z0-9_\-]+$")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    poll_interval_s: float = Field(10.0, ge=0)  # 0: follow the alias through webhooks only
+    max_tokens: int = Field(256, ge=1)  # per request; the engine's profile may allow fewer
+    max_waiting: int = Field(64, ge=1)  # queued sequences beyond the running batch; then 503
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    keep_versions: int = Field(3, ge=1)  # pulled versions kept in .kiln/serving
+    webhook_max_age_s: float = Field(300.0, gt=0)
+    threads: int | None = Field(None, ge=1)  # ONNX Runtime intra-op threads; None: all cores
+
+
 class Params(_Section):
     data: DataParams = DataParams()
     model: ModelParams = ModelParams()
@@ -251,6 +268,7 @@ class Params(_Section):
     gates: GateParams = GateParams()
     registry: RegistryParams = RegistryParams()
     sample: SampleParams = SampleParams()
+    serving: ServingParams = ServingParams()
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> Params:

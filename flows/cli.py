@@ -192,6 +192,22 @@ def promote(
 
 
 @app.command()
+def serve(
+    params_file: ParamsOption = Path("params.yaml"),
+    alias: Annotated[str | None, typer.Option(help="alias to serve and follow (default: serving.alias, champion)")] = None,
+    host: Annotated[str | None, typer.Option(help="address to bind (default: serving.host, 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default: serving.port, 8000)")] = None,
+) -> None:
+    """Serve models:/<name>@<alias> over an OpenAI-compatible API; follows the alias."""
+    from flows.serving import serve_alias
+
+    root = Path.cwd()
+    _prepare_environment(root)
+    with _one_line_errors():
+        serve_alias(root, _load(params_file), alias, host, port)
+
+
+@app.command()
 def bench(
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
     runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,

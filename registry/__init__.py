@@ -11,6 +11,7 @@ from registry.store import (
     get_version,
     preflight,
     promote,
+    register_alias_webhook,
     register_engine,
     resolve_alias,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "get_version",
     "preflight",
     "promote",
+    "register_alias_webhook",
     "register_engine",
     "registry_target",
     "resolve_alias",

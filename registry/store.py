@@ -303,3 +303,25 @@ def download_version(target: RegistryTarget, version: str, destination: Path) ->
     except (MlflowException, OSError) as err:
         raise RegistryError(f"cannot download {target.model_name} version {version}: {err}") from err
     return Path(path)
+
+
+# ---------------------------------------------------------------- webhooks
+
+ALIAS_EVENTS = ["model_version_alias.created", "model_version_alias.deleted"]
+
+
+def register_alias_webhook(target: RegistryTarget, url: str, secret: str) -> str:
+    """Have the tracking server POST alias changes to `url`, signed with `secret`; one
+    webhook per URL (registering again updates it). Only an `mlflow server` delivers them
+    (FACTS.md): a client writing to a SQLite file directly fires nothing."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    try:
+        for hook in client.list_webhooks():
+            if hook.url == url:
+                return client.update_webhook(hook.webhook_id, events=ALIAS_EVENTS, secret=secret, status="ACTIVE").webhook_id
+        name = f"kiln-serve-{target.model_name}"
+        return client.create_webhook(name=name, url=url, events=ALIAS_EVENTS, secret=secret).webhook_id
+    except MlflowException as err:
+        raise RegistryError(f"cannot register the webhook {url} with {target.tracking_uri}: {err.message}") from err

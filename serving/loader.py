@@ -7,12 +7,13 @@ alias cannot move mid-download. The copy is checked against the version's tags
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from components.engine_dir import MANIFEST, EngineDir
-from components.errors import EngineError, VersionRefused
+from components.errors import BackendUnavailable, EngineError, RegistryError, VersionRefused
 from components.files import exclusive_lock, stage_output
 from components.runtime import open_engine
 from components.runtime.engine import Engine
@@ -49,8 +50,13 @@ def pull(info: VersionInfo, target: RegistryTarget, cache_root: Path) -> PulledV
     if not (local / MANIFEST).is_file():
         with exclusive_lock(local.parent / ".lock"):  # one process fills the cache
             if not (local / MANIFEST).is_file():
-                _download_into(target, info.version, local)
-    return PulledVersion(info, verified_engine_dir(info, local))
+                try:
+                    _download_into(target, info.version, local)
+                except RegistryError as err:
+                    raise VersionRefused(f"{info.name} version {info.version} is refused: its artifacts cannot be downloaded ({err})") from err
+    pulled = PulledVersion(info, verified_engine_dir(info, local))
+    os.utime(local)  # recency for `prune`
+    return pulled
 
 
 def load(pulled: PulledVersion, threads: int | None = None) -> Engine:
@@ -58,7 +64,7 @@ def load(pulled: PulledVersion, threads: int | None = None) -> Engine:
     directory was verified by `pull`, so its engine file is not hashed again."""
     try:
         return open_engine(pulled.engine_dir, threads=threads)
-    except EngineError as err:
+    except (EngineError, BackendUnavailable) as err:  # corrupt, or not runnable on this machine
         raise VersionRefused(f"{pulled.label} is refused: {err}") from err
 
 
@@ -70,3 +76,17 @@ def _download_into(target: RegistryTarget, version: str, local: Path) -> None:
         shutil.rmtree(staging / ".download")
 
     stage_output(local, MANIFEST, fill)
+
+
+def prune(cache_root: Path, name: str, keep: int, in_use: set[str]) -> list[str]:
+    """Delete all but the `keep` most recently pulled versions of `name` (never one
+    `in_use`); returns the versions deleted."""
+    folder = cache_root / name
+    if not folder.is_dir():
+        return []
+    with exclusive_lock(folder / ".lock"):
+        pulled = sorted((p for p in folder.iterdir() if (p / MANIFEST).is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
+        stale = [p for p in pulled[keep:] if p.name not in in_use]
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in stale]

@@ -29,6 +29,36 @@ class DecodeState:
     def past_length(self) -> int:
         return self.attention_mask.shape[1]
 
+    # Continuous batching: rows join and leave between steps. Every row is its padding
+    # (mask 0) followed by its real tokens (mask 1), right-aligned; the cache is
+    # (batch, heads, past, head_dim) per tensor, padded the same way.
+
+    def joined(self, other: DecodeState) -> DecodeState:
+        """This batch's rows followed by `other`'s, the shorter side padded on the left."""
+        width = max(self.past_length, other.past_length)
+        a, b = self._widened(width), other._widened(width)
+        return DecodeState(
+            [np.concatenate(pair) for pair in zip(a.cache, b.cache, strict=True)],
+            np.concatenate([a.attention_mask, b.attention_mask]),
+            np.concatenate([a.last_position, b.last_position]),
+        )
+
+    def rows(self, keep: list[int]) -> DecodeState:
+        """Only the rows `keep`, without the leading columns no remaining row attends to."""
+        mask = self.attention_mask[keep]
+        start = int(np.argmax(mask.any(axis=0))) if mask.size else self.past_length
+        return DecodeState([c[keep][:, :, start:] for c in self.cache], mask[:, start:], self.last_position[keep])
+
+    def _widened(self, width: int) -> DecodeState:
+        pad = width - self.past_length
+        if pad == 0:
+            return self
+        return DecodeState(
+            [np.pad(c, ((0, 0), (0, 0), (pad, 0), (0, 0))) for c in self.cache],
+            np.pad(self.attention_mask, ((0, 0), (pad, 0))),
+            self.last_position,
+        )
+
 
 class Engine(ABC):
     """A loaded engine. Use it as a context manager (or call `close`) to free what the

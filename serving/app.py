@@ -1,0 +1,244 @@
+"""The HTTP server: a FastAPI app from a factory. The engine is pulled and warmed in the
+lifespan (never at import), the alias is followed by polling and by MLflow webhooks, and
+every failure maps to an OpenAI-style error body: bad input is a 4xx naming the field,
+never a 5xx and never a dead server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving import handlers
+from serving.follow import AliasFollower, EngineSource, NothingToServe, ServedEngine
+from serving.handlers import ApiError
+from serving.metrics import ServerMetrics
+from serving.schemas import ErrorBody, ErrorDetail
+from serving.webhooks import WebhookRejected, verified_alias_event
+
+log = logging.getLogger("kiln.serving")
+VERSION_HEADER = "X-Kiln-Model-Version"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the server behaves; `kiln serve` fills it from params.yaml's `serving` section."""
+
+    poll_interval_s: float = 10.0  # 0 turns polling off
+    max_tokens: int = 256
+    max_body_bytes: int = 1 << 20
+    api_key: str | None = None  # bearer token for /v1/*; None: open
+    webhook_secret: str | None = None  # None: /hooks/mlflow refuses every delivery
+    webhook_max_age_s: float = 300.0
+
+
+def create_app(source: EngineSource, settings: ServerSettings = ServerSettings()) -> FastAPI:
+    metrics = ServerMetrics()
+    follower = AliasFollower(source, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds))
+    follower.observe_batches(metrics.observe_batch)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.startup_error = None
+        try:
+            await asyncio.to_thread(follower.follow)
+        except NothingToServe as err:
+            app.state.startup_error = err  # `kiln serve` prints it and exits 2
+            raise
+        poller = asyncio.create_task(_poll(follower, settings.poll_interval_s)) if settings.poll_interval_s > 0 else None
+        try:
+            yield
+        finally:
+            if poller:
+                poller.cancel()
+            metrics.ready.set(0)
+            await asyncio.to_thread(follower.close)
+
+    app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.follower, app.state.metrics, app.state.settings = follower, metrics, settings
+    _routes(app, follower, metrics, settings)
+    _error_handlers(app, follower)
+    return app
+
+
+async def _poll(follower: AliasFollower, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.to_thread(follower.follow)
+        except Exception:  # the poller must outlive any one failure; the follower logged it
+            log.exception("polling the registry failed")
+
+
+def _record_swap(metrics: ServerMetrics, result: str, served: ServedEngine | None, seconds: float) -> None:
+    metrics.swaps.labels(result).inc()
+    if result == "swapped" and served is not None:
+        metrics.engine_load.observe(seconds)
+        metrics.served.info(served.facts)
+        metrics.ready.set(1)
+
+
+def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, settings: ServerSettings) -> None:
+    def served() -> ServedEngine:
+        if follower.current is None:
+            raise ApiError(503, "no engine is loaded yet", type="server_busy", code="not_ready")
+        return follower.current
+
+    def _submit(completion, started: float) -> tuple[ServedEngine, handlers.Submitted]:
+        for attempt in (1, 2):
+            engine = served()
+            handlers.check_model(completion, engine)
+            try:
+                return engine, handlers.submit(completion, engine, started)
+            except ApiError as err:  # swapped between `served()` and `submit`: the new one takes it
+                if err.code != "engine_swapping" or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        current = follower.current
+        if current is None:
+            return JSONResponse({"ready": False}, status_code=503)
+        return JSONResponse({"ready": True, **current.facts}, headers={VERSION_HEADER: current.version})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _authorize(request, settings)
+        engine = served()
+        body = handlers.model_list(engine, follower.source.alias)
+        return JSONResponse(body.model_dump(), headers={VERSION_HEADER: engine.version})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            _authorize(request, settings)
+            completion = handlers.parse_completion(await _body(request, settings.max_body_bytes), settings.max_tokens)
+            engine, job = _submit(completion, started)  # the engine it starts on is the one it finishes on
+        except ApiError as err:
+            metrics.requests.labels(_outcome(err)).inc()
+            raise
+        headers = {VERSION_HEADER: engine.version}
+        if completion.stream:
+            return StreamingResponse(_streamed(completion, engine, job, metrics), media_type="text/event-stream", headers=headers)
+        try:
+            body = await handlers.complete(completion, engine, job)
+        except ApiError as err:
+            handlers.observe(job, metrics, _outcome(err))
+            raise
+        finally:
+            job.cancel()  # a client gone mid-request frees its slots (no-op once finished)
+        handlers.observe(job, metrics, "ok")
+        return JSONResponse(body.model_dump(exclude_none=True), headers=headers)
+
+    @app.post("/hooks/mlflow")
+    async def mlflow_webhook(request: Request) -> Response:
+        if not settings.webhook_secret:
+            metrics.webhooks.labels("rejected").inc()
+            raise ApiError(401, "this server takes no webhooks: it was started without a webhook secret", type="authentication_error")
+        try:
+            event = verified_alias_event(settings.webhook_secret, request.headers, await _body(request, settings.max_body_bytes), time.time(), settings.webhook_max_age_s)
+        except WebhookRejected as err:
+            metrics.webhooks.labels("rejected").inc()
+            raise ApiError(401, str(err), type="authentication_error") from None
+        ours = event is not None and event.model == follower.source.target.model_name and event.alias == follower.source.alias
+        metrics.webhooks.labels("followed" if ours else "ignored").inc()
+        if ours:  # re-read the alias from the registry: the payload is a hint, the registry the truth
+            asyncio.get_running_loop().run_in_executor(None, lambda: follower.follow(retry_refused=True))
+        return JSONResponse({"accepted": True, "followed": ours})
+
+
+async def _streamed(completion, engine: ServedEngine, job: handlers.Submitted, metrics: ServerMetrics) -> AsyncIterator[str]:
+    outcome = "cancelled"
+    try:
+        async for chunk in handlers.stream(completion, engine, job):
+            yield chunk
+        outcome = "ok"
+    finally:  # also when the client disconnects: its sequences leave the batch at the next step
+        job.cancel()
+        handlers.observe(job, metrics, outcome)
+
+
+def _outcome(err: ApiError) -> str:
+    return {401: "unauthorized", 404: "bad_request", 413: "bad_request", 503: "rejected_busy"}.get(err.status, "bad_request" if err.status < 500 else "error")
+
+
+def _authorize(request: Request, settings: ServerSettings) -> None:
+    if settings.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.api_key.encode()):
+        raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <KILN_API_KEY>)", type="authentication_error", code="invalid_api_key")
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it passes `limit` bytes (declared or sent)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"the request body passed the limit of {limit} bytes", code="body_too_large")
+    return bytes(body)
+
+
+def _error_handlers(app: FastAPI, follower: AliasFollower) -> None:
+    def respond(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = dict(headers or {})
+        if follower.current is not None:
+            headers.setdefault(VERSION_HEADER, follower.current.version)
+        return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+        return respond(err.status, ErrorDetail(message=err.message, type=err.type, param=err.param, code=err.code), err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        return respond(err.status_code, ErrorDetail(message=message, type="invalid_request_error", code=str(err.status_code)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, err: Exception) -> JSONResponse:  # a bug, never bad input
+        log.exception("unexpected error")
+        return respond(500, ErrorDetail(message=f"internal error: {type(err).__name__}", type="server_error"))
+
+
+def serve(source: EngineSource, settings: ServerSettings, host: str, port: int) -> None:
+    """Run the server until Ctrl-C or SIGTERM; NothingToServe when the alias names nothing
+    servable at start (the lifespan found it; uvicorn would only log a traceback of it and
+    exit 3, so its log is quietened and the error raised for the CLI to print in one line)."""
+    import uvicorn
+
+    app = create_app(source, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on", timeout_graceful_shutdown=10)
+    startup_failed = lambda: getattr(app.state, "startup_error", None) is not None
+    logging.getLogger("uvicorn.error").addFilter(lambda record: not startup_failed())
+    try:
+        uvicorn.Server(config).run()
+    except SystemExit:
+        if not startup_failed():
+            raise
+    if startup_failed():
+        raise app.state.startup_error

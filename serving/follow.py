@@ -1,0 +1,158 @@
+"""Following an alias: what is served is what `models:/<name>@<alias>` names, verified.
+
+A moved alias is pulled, verified, loaded and warmed off the request path (in the caller's
+thread: the poller's or the webhook's), then swapped in with one assignment; the old
+engine's scheduler stops taking requests, finishes those it holds and only then frees its
+engine. A version the loader refuses is never served: the old one keeps serving, and the
+refusal is logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.errors import KilnError, RegistryError, VersionRefused
+from components.runtime.sampling import Sampling
+from components.runtime.tokenizer import EngineTokenizer
+from registry import RegistryTarget, VersionInfo, resolve_alias
+from serving.loader import PulledVersion, load, prune, pull
+from serving.scheduler import Scheduler
+
+log = logging.getLogger("kiln.serving")
+
+
+class NothingToServe(KilnError):
+    """The alias names no version, or only one the loader refuses."""
+
+
+@dataclass(frozen=True)
+class EngineSource:
+    """Where served engines come from, and how many pulled versions stay on disk."""
+
+    target: RegistryTarget
+    alias: str
+    cache_root: Path
+    keep_versions: int = 3
+    threads: int | None = None
+    max_waiting: int = 64
+
+
+@dataclass
+class ServedEngine:
+    pulled: PulledVersion
+    scheduler: Scheduler
+    tokenizer: EngineTokenizer
+    load_seconds: float
+    created: int  # Unix seconds, for OpenAI's `created`
+
+    @property
+    def model(self) -> str:
+        return self.pulled.info.name
+
+    @property
+    def version(self) -> str:
+        return self.pulled.info.version
+
+    @property
+    def facts(self) -> dict[str, str]:
+        """What the registry and engine.json say this engine is."""
+        manifest = self.pulled.engine_dir.manifest
+        return {
+            "model": self.model,
+            "version": self.version,
+            "precision": manifest.precision,
+            "backend": manifest.backend,
+            "engine_sha256": self.pulled.engine_dir.sha256,
+        }
+
+
+def start_engine(pulled: PulledVersion, source: EngineSource, observe: Callable[[int, int, int], None]) -> ServedEngine:
+    """Load a pulled version through the runtime the gates used, warm it, give it a scheduler."""
+    started = time.perf_counter()
+    engine = load(pulled, threads=source.threads)
+    try:
+        engine.generate([[engine.manifest.eos_token_id]], Sampling(max_new_tokens=2, stop_at_eos=False))  # warm-up
+    except KilnError as err:
+        engine.close()
+        raise VersionRefused(f"{pulled.label} is refused: its warm-up generation failed: {err}") from err
+    scheduler = Scheduler(engine, max_waiting=source.max_waiting, observe=observe)
+    return ServedEngine(pulled, scheduler, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()))
+
+
+class AliasFollower:
+    """Holds the served engine and moves it when the alias moves. `follow` is blocking and
+    safe to call from several threads (one swap at a time)."""
+
+    def __init__(self, source: EngineSource, on_event: Callable[[str, ServedEngine | None, float], None]) -> None:
+        self.source = source
+        self.current: ServedEngine | None = None
+        self._on_event = on_event  # (result, served, seconds): the app's metrics
+        self._observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None
+        self._lock = threading.Lock()
+        self._refused: set[str] = set()
+
+    def observe_batches(self, observe: Callable[[int, int, int], None]) -> None:
+        self._observe = observe
+
+    def follow(self, retry_refused: bool = False) -> str:
+        """Serve what the alias names now. Returns what happened: `swapped`, `unchanged`,
+        `refused` (the alias names a version the loader refuses) or `unresolved` (the alias
+        is gone or the registry unreachable); with nothing served yet, raises NothingToServe."""
+        with self._lock:
+            try:
+                info = resolve_alias(self.source.target, self.source.alias)
+            except RegistryError as err:
+                return self._unresolved(err)
+            if self.current and info.version == self.current.version:
+                return "unchanged"
+            if info.version in self._refused and not retry_refused and self.current:
+                return "unchanged"
+            return self._swap_to(info)
+
+    def _swap_to(self, info: VersionInfo) -> str:
+        try:
+            started = time.perf_counter()
+            new = start_engine(pull(info, self.source.target, self.source.cache_root), self.source, self._observe)
+        except KilnError as err:  # VersionRefused, or the registry failing mid-pull
+            self._refused.add(info.version)
+            self._on_event("refused", self.current, time.perf_counter() - started)
+            if self.current is None:
+                raise NothingToServe(f"{self._alias} names version {info.version}, which cannot be served: {err}") from err
+            log.error("keeping version %s: %s", self.current.version, err)
+            return "refused"
+        old, self.current = self.current, new
+        self._refused.discard(info.version)
+        self._on_event("swapped", new, new.load_seconds)
+        log.info("serving %s version %s (%s %s), loaded in %.2f s", new.model, new.version, new.facts["backend"], new.facts["precision"], new.load_seconds)
+        if old is not None:
+            threading.Thread(target=self._retire, args=(old,), name="kiln-retire", daemon=True).start()
+        return "swapped"
+
+    def _retire(self, old: ServedEngine) -> None:
+        old.scheduler.close()  # finishes the requests it holds, then frees the engine
+        in_use = {self.current.version} if self.current else set()
+        prune(self.source.cache_root, old.model, self.source.keep_versions, in_use)
+
+    def _unresolved(self, err: RegistryError) -> str:
+        if self.current is None:
+            raise NothingToServe(
+                f"{self._alias} names no version yet ({err}). Promote one: `kiln promote` "
+                f"(challenger → {self.source.alias}), or set the alias on a version in the MLflow UI."
+            ) from err
+        log.warning("%s does not resolve; keeping version %s: %s", self._alias, self.current.version, err)
+        return "unresolved"
+
+    @property
+    def _alias(self) -> str:
+        return f"models:/{self.source.target.model_name}@{self.source.alias}"
+
+    def close(self) -> None:
+        with self._lock:
+            if self.current is not None:
+                self.current.scheduler.close()
+                self.current = None

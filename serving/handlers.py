@@ -1,0 +1,193 @@
+"""What the routes do, as plain functions over the served engine: parse and check a
+request, hand its prompts to the scheduler, gather or stream what comes back. Errors are
+`ApiError`s carrying the status and OpenAI's error fields; the app maps them to responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from components.errors import ShapeOutOfProfile
+from components.runtime.sampling import Sampling
+from serving.follow import ServedEngine
+from serving.metrics import ServerMetrics
+from serving.scheduler import Delta, Event, Failed, Finished, QueueFull, SchedulerClosed, Sequence
+from serving.schemas import Choice, Completion, CompletionRequest, ModelCard, ModelList, Usage
+from serving.text import TextStream
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers: dict[str, str] = {}
+
+
+def parse_completion(body: bytes, max_tokens_limit: int) -> CompletionRequest:
+    """The request body as a CompletionRequest, or a 400 naming the field that is wrong."""
+    try:
+        payload = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the request body is not UTF-8: {err}", code="invalid_encoding") from None
+    except json.JSONDecodeError as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(payload).__name__}", code="invalid_json")
+    try:
+        request = CompletionRequest.model_validate(payload)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None  # the field; deeper parts name union members
+        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code=first["type"]) from None
+    if request.max_tokens > max_tokens_limit:
+        raise ApiError(400, f"max_tokens is {request.max_tokens}; this server allows at most {max_tokens_limit}", param="max_tokens")
+    return request
+
+
+@dataclass
+class Submitted:
+    """A request's sequences in the scheduler and the one queue their events arrive on."""
+
+    sequences: list[Sequence]
+    events: asyncio.Queue
+    started: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tokens: int = 0
+    done: set[int] = field(default_factory=set)
+
+    def cancel(self) -> None:
+        for seq in self.sequences:
+            seq.cancelled = True
+
+
+def submit(request: CompletionRequest, served: ServedEngine, started: float) -> Submitted:
+    """Tokenize, check against the engine's profile, and queue every prompt of the request."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    sampling = Sampling(max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+    sequences = []
+    for index, prompt in enumerate(request.prompts):
+        ids = served.tokenizer.encode(prompt)
+        if not ids:
+            raise ApiError(400, f"prompt {index} encodes to no tokens", param="prompt")
+        sequences.append(Sequence(ids, sampling, TextStream(served.tokenizer.decode, request.stops), _emitter(loop, events, index)))
+    try:
+        served.scheduler.submit(sequences)
+    except ShapeOutOfProfile as err:
+        raise ApiError(400, str(err), param="max_tokens" if "max_tokens" in str(err) else "prompt", code="context_length_exceeded") from None
+    except QueueFull as err:
+        busy = ApiError(503, f"the server is busy: {err}; retry shortly", type="server_busy", code="queue_full")
+        busy.headers["Retry-After"] = "1"
+        raise busy from None
+    except SchedulerClosed as err:
+        closed = ApiError(503, f"the engine is being swapped: {err}; retry", type="server_busy", code="engine_swapping")
+        closed.headers["Retry-After"] = "1"
+        raise closed from None
+    return Submitted(sequences, events, started)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
+    def emit(event: Event) -> None:  # called on the scheduler's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    return emit
+
+
+async def events_of(job: Submitted) -> AsyncIterator[tuple[int, Event]]:
+    """Every event of the request, in order, until each of its sequences has ended."""
+    while len(job.done) < len(job.sequences):
+        index, event = await job.events.get()
+        if isinstance(event, Delta) and event.tokens:
+            now = time.perf_counter()
+            job.first_token_at = job.first_token_at or now
+            job.last_token_at, job.tokens = now, job.tokens + event.tokens
+        if isinstance(event, Finished | Failed):
+            job.done.add(index)
+        if isinstance(event, Failed):
+            raise ApiError(500, event.message, type="server_error", code="engine_failed")
+        yield index, event
+
+
+async def complete(request: CompletionRequest, served: ServedEngine, job: Submitted) -> Completion:
+    texts = [""] * len(job.sequences)
+    finished: dict[int, Finished] = {}
+    async for index, event in events_of(job):
+        if isinstance(event, Delta):
+            texts[index] += event.text
+        else:
+            finished[index] = event
+    choices = [Choice(index=i, text=texts[i], finish_reason=finished[i].reason) for i in range(len(texts))]
+    return Completion(id=job_id(), created=int(time.time()), model=served.model, choices=choices, usage=usage_of(finished.values()))
+
+
+async def stream(request: CompletionRequest, served: ServedEngine, job: Submitted) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per text delta, a last chunk per choice with its
+    finish_reason (and the usage, once all have ended), then `data: [DONE]`."""
+    completion_id, created = job_id(), int(time.time())
+    finished: dict[int, Finished] = {}
+
+    def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None) -> str:
+        body = Completion(id=completion_id, created=created, model=served.model, choices=[Choice(index=index, text=text, finish_reason=reason)], usage=usage)
+        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+    try:
+        async for index, event in events_of(job):
+            if isinstance(event, Delta):
+                if event.text:
+                    yield chunk(index, event.text, None)
+            else:
+                finished[index] = event
+                last = len(finished) == len(job.sequences)
+                yield chunk(index, "", event.reason, usage_of(finished.values()) if last else None)
+    except ApiError as err:  # headers are sent: the error travels as an event
+        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'param': err.param, 'code': err.code}})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def usage_of(finished) -> Usage:
+    finished = list(finished)
+    prompt = sum(f.prompt_tokens for f in finished)
+    completion = sum(f.completion_tokens for f in finished)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def observe(job: Submitted, metrics: ServerMetrics, outcome: str) -> None:
+    """A finished request's times and counts."""
+    now = time.perf_counter()
+    metrics.requests.labels(outcome).inc()
+    metrics.request_duration.observe(now - job.started)
+    metrics.prompt_tokens.inc(sum(len(s.prompt) for s in job.sequences))
+    metrics.generated_tokens.inc(job.tokens)
+    if job.first_token_at is not None:
+        metrics.time_to_first_token.observe(job.first_token_at - job.started)
+        if job.tokens > 1:
+            metrics.time_per_output_token.observe((job.last_token_at - job.first_token_at) / (job.tokens - 1))
+
+
+def model_list(served: ServedEngine, alias: str) -> ModelList:
+    facts = served.facts
+    card = ModelCard(
+        id=served.model, created=served.created, version=served.version, alias=alias,
+        precision=facts["precision"], backend=facts["backend"], engine_sha256=facts["engine_sha256"],
+    )  # fmt: skip
+    return ModelList(data=[card])
+
+
+def check_model(request: CompletionRequest, served: ServedEngine) -> None:
+    if request.model != served.model:
+        raise ApiError(404, f"model {request.model!r} is not served here; this server serves {served.model!r}", param="model", code="model_not_found")
+
+
+def job_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"

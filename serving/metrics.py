@@ -1,0 +1,48 @@
+"""The server's Prometheus metrics (base units: `_seconds`, `_total`), in a registry of the
+app's own so two apps in one process (tests, a swap) never collide in the global one."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+
+# Request times on a 2-core CPU run from milliseconds (one token) to seconds (a long stream).
+_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds
+        r = self.registry
+        self.request_duration = Histogram(
+            "kiln_request_duration_seconds", "Whole completion requests, arrival to last byte.", registry=r, buckets=_REQUEST_BUCKETS
+        )
+        self.time_to_first_token = Histogram(
+            "kiln_time_to_first_token_seconds", "Arrival to the first generated token.", registry=r, buckets=_REQUEST_BUCKETS
+        )
+        self.time_per_output_token = Histogram(
+            "kiln_time_per_output_token_seconds", "Mean gap between a request's tokens after the first.", registry=r, buckets=_TOKEN_BUCKETS
+        )
+        self.generated_tokens = Counter("kiln_generated_tokens_total", "Tokens generated for clients.", registry=r)
+        self.prompt_tokens = Counter("kiln_prompt_tokens_total", "Prompt tokens prefilled.", registry=r)
+        self.requests = Counter("kiln_requests_total", "Completion requests by outcome.", ["outcome"], registry=r)
+        self.queue_depth = Gauge("kiln_queue_depth", "Sequences waiting for a batch slot.", registry=r)
+        self.running_batch = Gauge("kiln_running_batch_size", "Sequences in the running batch.", registry=r)
+        # Batching at work: decoded rows over decode steps is the mean batch a step served.
+        self.decode_steps = Counter("kiln_decode_steps_total", "Decode steps run (one per turn with a running batch).", registry=r)
+        self.decoded_rows = Counter("kiln_decoded_rows_total", "Sequence rows advanced by decode steps.", registry=r)
+        self.engine_load = Histogram(
+            "kiln_engine_load_seconds", "Pull, verify, load and warm-up of an engine.", registry=r, buckets=_REQUEST_BUCKETS
+        )
+        self.swaps = Counter("kiln_engine_swaps_total", "Alias changes acted on, by result.", ["result"], registry=r)
+        self.webhooks = Counter("kiln_webhook_deliveries_total", "MLflow webhook deliveries by result.", ["result"], registry=r)
+        self.served = Info("kiln_served_engine", "The registered version being served.", registry=r)
+        self.ready = Gauge("kiln_ready", "1 while a warm engine serves requests.", registry=r)
+
+    def observe_batch(self, running: int, waiting: int, decoded: int) -> None:
+        self.running_batch.set(running)
+        self.queue_depth.set(waiting)
+        if decoded:
+            self.decode_steps.inc()
+            self.decoded_rows.inc(decoded)

@@ -1,0 +1,501 @@
+"""`kiln serve`: the champion over an OpenAI-compatible API, with continuous batching, hot
+swap when the alias moves, Prometheus metrics, and 4xx answers to bad input.
+
+Real components only: engines built in the session, a real MLflow store (SQLite; an
+`mlflow server` where webhooks must be delivered), uvicorn on a real socket, the `openai`
+client. What the server answers is compared with the runtime the gates drove.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from components.runtime.sampling import Sampling
+from components.runtime.tokenizer import EngineTokenizer
+from registry import CHAMPION, RegistryTarget, promote, register_engine
+from serving.app import VERSION_HEADER, ServerSettings, create_app
+from serving.follow import EngineSource
+from serving.webhooks import signature_of
+
+from .conftest import build_engine
+from .live_server import LiveServer, free_port
+from .test_faults import stored_engine, tamper
+from .test_registry import record
+
+MODEL = "kiln-serve"
+SECRET = "webhook-secret-for-tests"
+
+
+@pytest.fixture(scope="module")
+def int8_engine_dir(project, params, tiny_model, exported, data_version, calibration):
+    return build_engine(project, params, tiny_model, exported, data_version, "int8", calibration)
+
+
+class Store:
+    """A registry holding the fp32 and the int8 engine, champion on fp32."""
+
+    def __init__(self, root: Path, engine_dir, int8_engine_dir) -> None:
+        self.root = root
+        self.target = RegistryTarget(f"sqlite:///{root / 'mlflow.db'}", MODEL, MODEL, root / "artifacts")
+        self.fp32 = register_engine(self.target, engine_dir.path, engine_dir.sha256, record()).version
+        self.int8 = register_engine(self.target, int8_engine_dir.path, int8_engine_dir.sha256, record()).version
+        promote(self.target, CHAMPION, version=self.fp32)
+
+    def app(self, **settings):
+        source = EngineSource(self.target, CHAMPION, self.root / "cache", max_waiting=settings.pop("max_waiting", 32))
+        defaults = dict(poll_interval_s=0, max_tokens=64, max_body_bytes=4096, webhook_secret=SECRET)
+        return create_app(source, ServerSettings(**(defaults | settings)))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, engine_dir, int8_engine_dir) -> Store:
+    return Store(tmp_path_factory.mktemp("serving"), engine_dir, int8_engine_dir)
+
+
+@pytest.fixture()
+def fresh_store(tmp_path, engine_dir, int8_engine_dir) -> Store:
+    """A store of its own, for tests that move the alias."""
+    return Store(tmp_path, engine_dir, int8_engine_dir)
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    with LiveServer(store.app()) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine_dir) -> EngineTokenizer:
+    return EngineTokenizer(engine_dir.path)
+
+
+def expected_text(engine, tokenizer, prompt: str, max_tokens: int) -> str:
+    """What the gated runtime generates greedily, one prompt alone."""
+    return tokenizer.decode(engine.generate([tokenizer.encode(prompt)], Sampling(max_new_tokens=max_tokens))[0])
+
+
+def metrics_of(live: LiveServer) -> dict[str, float]:
+    """Every sample of /metrics, parsed by prometheus-client's own parser."""
+    text = httpx.get(f"{live.url}/metrics").text
+    return {
+        sample.name + json.dumps(sample.labels, sort_keys=True) * bool(sample.labels): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def completion(client: httpx.Client, **body) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": MODEL} | body)
+
+
+# ---------------------------------------------------------------- the API, through the openai client
+
+
+def test_the_openai_client_gets_the_champions_greedy_completion_with_usage(server, store, engine, tokenizer):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The list", max_tokens=12, temperature=0)
+    answer = raw.parse()
+    assert raw.headers[VERSION_HEADER] == store.fp32
+    assert answer.choices[0].text == expected_text(engine, tokenizer, "The list", 12)
+    assert answer.choices[0].finish_reason in {"length", "stop"}
+    assert answer.usage.prompt_tokens == len(tokenizer.encode("The list"))
+    finished_early = answer.choices[0].finish_reason == "stop"
+    assert answer.usage.completion_tokens == 12 or (finished_early and answer.usage.completion_tokens < 12)
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_streaming_through_the_openai_client_gives_the_same_text_token_by_token(server, engine, tokenizer):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    chunks = list(client.completions.create(model=MODEL, prompt="A class", max_tokens=12, temperature=0, stream=True))
+    texts = [c.choices[0].text for c in chunks]
+    assert "".join(texts) == expected_text(engine, tokenizer, "A class", 12)
+    assert len([t for t in texts if t]) > 1  # tokens arrive as their steps complete, not at the end
+    assert chunks[-1].choices[0].finish_reason in {"length", "stop"}
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_a_raw_stream_ends_with_done(server):
+    with server.client() as client, client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}) as response:
+        events = [line for line in response.iter_lines() if line]
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_models_lists_the_served_version_with_its_precision_backend_and_sha256(server, store, engine_dir):
+    response = httpx.get(f"{server.url}/v1/models")
+    (card,) = response.json()["data"]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert (card["version"], card["alias"], card["precision"], card["backend"]) == (store.fp32, "champion", "fp32", "onnxruntime")
+    assert card["engine_sha256"] == engine_dir.sha256
+    assert response.headers[VERSION_HEADER] == store.fp32
+    assert httpx.get(f"{server.url}/readyz").json()["version"] == store.fp32
+
+
+def test_a_list_of_prompts_gets_one_choice_each_in_order(server, engine, tokenizer):
+    prompts = ["The list", "A class", "Importing a module"]
+    with server.client() as client:
+        body = completion(client, prompt=prompts, max_tokens=6, temperature=0).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [expected_text(engine, tokenizer, p, 6) for p in prompts]
+
+
+def test_a_seed_makes_sampling_reproducible_and_another_seed_differs(server):
+    with server.client() as client:
+        runs = [completion(client, prompt="The list", max_tokens=24, temperature=1.5, top_p=0.95, seed=seed).json()["choices"][0]["text"] for seed in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    sampled = dict(prompt="The list", max_tokens=24, temperature=1.0, seed=3)  # seeded: the same tokens twice
+    with server.client() as client:
+        full = completion(client, **sampled).json()["choices"][0]["text"]
+        stop = next(full[i : i + 2] for i in range(len(full) // 3, len(full)) if full[i : i + 2].strip())
+        choice = completion(client, **sampled, stop=[stop, "never-appears"]).json()["choices"][0]
+    assert choice["text"] == full[: full.index(stop)]
+    assert choice["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------- continuous batching
+
+
+def test_concurrent_requests_share_decode_steps_and_each_gets_its_own_answer(server, engine, tokenizer):
+    prompts = [f"{word} is" for word in ("The list", "A class", "Importing", "def", "The for", "Raise", "With", "Return", "Yield", "Assert", "The if", "Lambda")]
+    lengths = [8 + (i % 4) * 6 for i in range(len(prompts))]  # they finish at different steps
+    before = metrics_of(server)
+
+    def ask(i: int) -> str:
+        with server.client() as client:
+            return completion(client, prompt=prompts[i], max_tokens=lengths[i], temperature=0).json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, range(len(prompts))))
+    after = metrics_of(server)
+    assert answers == [expected_text(engine, tokenizer, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    steps = after["kiln_decode_steps_total"] - before["kiln_decode_steps_total"]
+    rows = after["kiln_decoded_rows_total"] - before["kiln_decoded_rows_total"]
+    assert rows / steps > 2, f"{rows:.0f} rows in {steps:.0f} decode steps: the requests did not share steps"
+    assert after["kiln_running_batch_size"] == 0 and after["kiln_queue_depth"] == 0
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_answering(store):
+    with LiveServer(store.app(max_waiting=2)) as live, live.client() as client:
+        busy = completion(client, prompt=["a", "b", "c"], max_tokens=4)
+        assert busy.status_code == 503
+        assert busy.headers["Retry-After"] == "1"
+        assert busy.json()["error"]["code"] == "queue_full"
+        assert completion(client, prompt=["a", "b"], max_tokens=4).status_code == 200
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_the_server_answering(server):
+    with server.client() as client, client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": ["The list"] * 4, "max_tokens": 120, "stream": True}) as response:
+        next(response.iter_lines())  # one chunk, then hang up
+    deadline = time.monotonic() + 10
+    while metrics_of(server)["kiln_running_batch_size"] > 0:
+        assert time.monotonic() < deadline, "the abandoned sequences never left the batch"
+        time.sleep(0.05)
+    with server.client() as client:
+        assert completion(client, prompt="x", max_tokens=2).status_code == 200
+
+
+def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(engine, tokenizer):
+    """What a disconnect does (the server marks the client's sequences cancelled): the slot
+    is free at once, not after max_tokens."""
+    from serving.scheduler import Delta, Finished, Scheduler, Sequence
+    from serving.text import TextStream
+
+    scheduler = Scheduler(engine, max_waiting=4)
+    events, gone = [], threading.Event()
+
+    def emit(event) -> None:
+        events.append(event)
+        if isinstance(event, Delta) and len(events) == 3:
+            sequence.cancelled = True
+            gone.set()
+
+    sequence = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=120, stop_at_eos=False), TextStream(tokenizer.decode), emit)
+    scheduler.submit([sequence])
+    assert gone.wait(10)
+    deadline = time.monotonic() + 5
+    while scheduler.running:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(sequence.generated) <= 4  # the step in flight when it was cancelled, no more
+    assert not any(isinstance(e, Finished) for e in events)
+    assert scheduler.close(timeout=5)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BAD_INPUTS = {
+    "malformed-json": (b'{"model": "kiln-serve", "prompt": ', 400, None),
+    "not-an-object": (b"[1, 2]", 400, None),
+    "non-utf8": (b'{"model": "kiln-serve", "prompt": "\xff\xfe"}', 400, None),
+    "wrong-type": (b'{"model": "kiln-serve", "prompt": "x", "max_tokens": "10"}', 400, "max_tokens"),
+    "unknown-field": (b'{"model": "kiln-serve", "prompt": "x", "best_of": 3}', 400, "best_of"),
+    "missing-prompt": (b'{"model": "kiln-serve"}', 400, "prompt"),
+    "empty-prompt": (b'{"model": "kiln-serve", "prompt": ""}', 400, "prompt"),
+    "blank-prompt": (b'{"model": "kiln-serve", "prompt": "   "}', 400, "prompt"),
+    "empty-prompt-list": (b'{"model": "kiln-serve", "prompt": []}', 400, "prompt"),
+    "max-tokens-zero": (b'{"model": "kiln-serve", "prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    "max-tokens-over-limit": (b'{"model": "kiln-serve", "prompt": "x", "max_tokens": 65}', 400, "max_tokens"),
+    "negative-temperature": (b'{"model": "kiln-serve", "prompt": "x", "temperature": -0.1}', 400, "temperature"),
+    "top-p-zero": (b'{"model": "kiln-serve", "prompt": "x", "top_p": 0}', 400, "top_p"),
+    "top-p-above-one": (b'{"model": "kiln-serve", "prompt": "x", "top_p": 1.5}', 400, "top_p"),
+    "unknown-model": (b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
+    "body-over-limit": (b'{"model": "kiln-serve", "prompt": "' + b"x" * 5000 + b'"}', 413, None),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_is_a_4xx_naming_what_was_wrong_and_the_server_keeps_answering(server, case):
+    body, status, param = BAD_INPUTS[case]
+    with server.client() as client:
+        response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"] and error["type"]
+        assert error["param"] == param
+        assert completion(client, prompt="x", max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize(("repeats", "param", "limit"), [(25, "max_tokens", 128), (60, "prompt", 96)], ids=["prompt-plus-max-tokens", "prompt-alone"])
+def test_a_request_beyond_the_engines_profile_is_refused_with_both_numbers(server, tokenizer, repeats, param, limit):
+    prompt = "list " * repeats
+    tokens = len(tokenizer.encode(prompt))
+    with server.client() as client:
+        response = completion(client, prompt=prompt, max_tokens=64)
+        assert completion(client, prompt="x", max_tokens=2).status_code == 200
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+    assert f"{tokens} tokens" in error["message"] and f"allows {limit}" in error["message"]
+
+
+def test_the_openai_client_sees_a_bad_request_as_its_own_error_type(server):
+    import openai
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1000)
+    assert caught.value.param == "max_tokens"
+
+
+def test_a_bearer_token_guards_the_api_but_not_health_or_metrics(store):
+    with LiveServer(store.app(api_key="s3cret")) as live, live.client() as client:
+        assert completion(client, prompt="x", max_tokens=2).status_code == 401
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert OpenAI(base_url=f"{live.url}/v1", api_key="s3cret").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+        assert client.get("/healthz").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_metrics_count_what_clients_received(server):
+    before = metrics_of(server)
+    with server.client() as client:
+        usages = [completion(client, prompt=p, max_tokens=5, temperature=0).json()["usage"] for p in ("The list", "A class")]
+    after = metrics_of(server)
+    generated = sum(u["completion_tokens"] for u in usages)
+    assert after["kiln_generated_tokens_total"] - before["kiln_generated_tokens_total"] == generated
+    assert after["kiln_prompt_tokens_total"] - before["kiln_prompt_tokens_total"] == sum(u["prompt_tokens"] for u in usages)
+    assert after['kiln_requests_total{"outcome": "ok"}'] - before['kiln_requests_total{"outcome": "ok"}'] == 2
+    assert after["kiln_request_duration_seconds_count"] - before["kiln_request_duration_seconds_count"] == 2
+    assert after["kiln_time_to_first_token_seconds_count"] - before["kiln_time_to_first_token_seconds_count"] == 2
+    assert after["process_resident_memory_bytes"] > 0
+    info = {k: v for k, v in after.items() if k.startswith("kiln_served_engine_info")}
+    assert len(info) == 1 and '"precision": "fp32"' in next(iter(info))
+    assert after["kiln_ready"] == 1 and after['kiln_engine_swaps_total{"result": "swapped"}'] == 1
+
+
+# ---------------------------------------------------------------- following the alias
+
+
+def hammer(live: LiveServer, stop: threading.Event, results: list) -> None:
+    """Requests back to back until `stop`: (status, version header)."""
+    with live.client() as client:
+        while not stop.is_set():
+            response = completion(client, prompt="The list", max_tokens=8, temperature=0)
+            results.append((response.status_code, response.headers.get(VERSION_HEADER)))
+
+
+def wait_for_version(live: LiveServer, version: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{live.url}/v1/models").json()["data"][0]["version"] != version:
+        assert time.monotonic() < deadline, f"the server did not move to version {version} within {timeout} s"
+        time.sleep(0.1)
+
+
+def test_a_moved_alias_is_picked_up_by_polling_under_load_with_no_failed_request(fresh_store):
+    with LiveServer(fresh_store.app(poll_interval_s=0.3)) as live:
+        stop, results = threading.Event(), []
+        clients = [threading.Thread(target=hammer, args=(live, stop, results)) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        time.sleep(0.5)
+        promote(fresh_store.target, CHAMPION, version=fresh_store.int8)
+        wait_for_version(live, fresh_store.int8)
+        time.sleep(0.5)
+        stop.set()
+        for thread in clients:
+            thread.join()
+        swaps = metrics_of(live)['kiln_engine_swaps_total{"result": "swapped"}']
+    assert {status for status, _ in results} == {200}, results
+    assert {version for _, version in results} == {fresh_store.fp32, fresh_store.int8}
+    assert swaps == 2  # the first load, then the move
+
+
+def test_a_version_the_loader_refuses_is_never_served_and_the_old_one_keeps_serving(fresh_store, engine_dir, caplog):
+    from mlflow import MlflowClient
+
+    tamper(stored_engine(fresh_store.target, fresh_store.int8), also_manifest=True)
+    with LiveServer(fresh_store.app(poll_interval_s=0.2)) as live:
+        # promote() would refuse it; a person in the MLflow UI can still set the alias
+        MlflowClient(fresh_store.target.tracking_uri).set_registered_model_alias(MODEL, CHAMPION, fresh_store.int8)
+        deadline = time.monotonic() + 15
+        while metrics_of(live).get('kiln_engine_swaps_total{"result": "refused"}', 0) < 1:
+            assert time.monotonic() < deadline, "the refusal was never counted"
+            time.sleep(0.1)
+        with live.client() as client:
+            response = completion(client, prompt="x", max_tokens=2)
+        card = httpx.get(f"{live.url}/v1/models").json()["data"][0]
+    assert response.status_code == 200 and response.headers[VERSION_HEADER] == fresh_store.fp32
+    assert card["version"] == fresh_store.fp32 and card["engine_sha256"] == engine_dir.sha256
+    assert any(f"keeping version {fresh_store.fp32}" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
+
+
+def test_a_version_whose_gates_failed_set_by_hand_is_refused(fresh_store, engine_dir, int8_engine_dir, caplog):
+    from mlflow import MlflowClient
+
+    MlflowClient(fresh_store.target.tracking_uri).set_model_version_tag(MODEL, fresh_store.int8, "gates.passed", "false")
+    with LiveServer(fresh_store.app(poll_interval_s=0.2)) as live:
+        MlflowClient(fresh_store.target.tracking_uri).set_registered_model_alias(MODEL, CHAMPION, fresh_store.int8)
+        deadline = time.monotonic() + 15
+        while metrics_of(live).get('kiln_engine_swaps_total{"result": "refused"}', 0) < 1:
+            assert time.monotonic() < deadline, "the refusal was never counted"
+            time.sleep(0.1)
+        assert httpx.get(f"{live.url}/v1/models").json()["data"][0]["version"] == fresh_store.fp32
+    assert any("did not pass its gates" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- webhooks
+
+
+def signed(body: bytes, secret: str = SECRET, age_s: float = 0, delivery: str = "d-1") -> dict[str, str]:
+    timestamp = str(int(time.time() - age_s))
+    return {
+        "content-type": "application/json",
+        "x-mlflow-delivery-id": delivery,
+        "x-mlflow-timestamp": timestamp,
+        "x-mlflow-signature": signature_of(secret, delivery, timestamp, body),
+    }
+
+
+ALIAS_BODY = json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": "", "data": {"name": MODEL, "alias": "champion", "version": "2"}}).encode()
+
+
+@pytest.mark.parametrize(
+    ("case", "headers"),
+    [
+        ("unsigned", {"content-type": "application/json"}),
+        ("wrong-secret", signed(ALIAS_BODY, secret="not-the-secret")),
+        ("stale", signed(ALIAS_BODY, age_s=3600)),
+    ],
+    ids=["unsigned", "wrong-secret", "stale"],
+)
+def test_webhook_deliveries_that_are_unsigned_badly_signed_or_stale_are_401(server, case, headers):
+    response = httpx.post(f"{server.url}/hooks/mlflow", content=ALIAS_BODY, headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_signed_fresh_delivery_is_accepted(server):
+    response = httpx.post(f"{server.url}/hooks/mlflow", content=ALIAS_BODY, headers=signed(ALIAS_BODY))
+    assert response.status_code == 200 and response.json()["followed"] is True
+
+
+@pytest.fixture()
+def mlflow_server(fresh_store):
+    """`mlflow server` on the store, set up to deliver webhooks to a local receiver."""
+    from cryptography.fernet import Fernet
+
+    port = free_port()
+    env = os.environ | {
+        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+        "MLFLOW_WEBHOOK_CACHE_TTL": "1",
+        "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode(),
+    }
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", fresh_store.target.tracking_uri,
+               "--default-artifact-root", str(fresh_store.target.artifact_root), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+        time.sleep(0.3)
+    yield url
+    process.terminate()
+    process.wait(30)
+
+
+def test_an_alias_set_through_the_mlflow_server_reaches_the_server_by_webhook_under_load(fresh_store, mlflow_server):
+    from mlflow import MlflowClient
+
+    from registry import register_alias_webhook
+
+    http_target = RegistryTarget(mlflow_server, MODEL, MODEL)
+    with LiveServer(fresh_store.app(poll_interval_s=0)) as live:  # no polling: only the webhook can move it
+        register_alias_webhook(http_target, f"{live.url}/hooks/mlflow", SECRET)
+        stop, results = threading.Event(), []
+        clients = [threading.Thread(target=hammer, args=(live, stop, results)) for _ in range(3)]
+        for thread in clients:
+            thread.start()
+        started = time.monotonic()
+        MlflowClient(mlflow_server).set_registered_model_alias(MODEL, CHAMPION, fresh_store.int8)
+        wait_for_version(live, fresh_store.int8, timeout=30)
+        latency = time.monotonic() - started
+        time.sleep(0.3)
+        stop.set()
+        for thread in clients:
+            thread.join()
+        followed = metrics_of(live)['kiln_webhook_deliveries_total{"result": "followed"}']
+    assert {status for status, _ in results} == {200}
+    assert {version for _, version in results} == {fresh_store.fp32, fresh_store.int8}
+    assert followed >= 1
+    print(f"alias set → served by webhook in {latency:.2f} s")
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_kiln_serve_with_no_version_behind_the_alias_says_how_to_get_one_and_exits_2(tmp_path):
+    params = {"registry": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "model_name": "kiln-nothing-yet"}}
+    (tmp_path / "params.yaml").write_text(json.dumps(params))
+    result = subprocess.run([str(Path(sys.executable).parent / "kiln"), "serve", "--port", str(free_port())], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr + result.stdout
+    output = " ".join((result.stdout + result.stderr).split())
+    assert "kiln-nothing-yet@champion names no version yet" in output
+    assert "kiln promote" in output and "MLflow UI" in output
