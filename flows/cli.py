@@ -197,6 +197,8 @@ def serve(
     alias: Annotated[str | None, typer.Option(help="alias to serve and follow (default: serving.alias, champion)")] = None,
     host: Annotated[str | None, typer.Option(help="address to bind (default: serving.host, 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default: serving.port, 8000)")] = None,
+    engine: Annotated[Path | None, typer.Option(help="serve this local engine directory instead (no registry, no gates: for development)")] = None,
+    max_batch: Annotated[int | None, typer.Option(help="cap on sequences per decode step (default: the engine's profile)", min=1)] = None,
 ) -> None:
     """Serve models:/<name>@<alias> over an OpenAI-compatible API; follows the alias."""
     from flows.serving import serve_alias
@@ -204,18 +206,26 @@ def serve(
     root = Path.cwd()
     _prepare_environment(root)
     with _one_line_errors():
-        serve_alias(root, _load(params_file), alias, host, port)
+        serve_alias(root, _load(params_file), alias, host, port, engine, max_batch)
 
 
-@app.command()
+bench_app = typer.Typer(add_completion=False, help="Benchmarks that print side-by-side tables and write JSON.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
 def bench(
+    ctx: typer.Context,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
     runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
     precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time")] = "fp32,int8",
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
     shape: Annotated[str, typer.Option(help="gpt2-small (124M, the measurement) or tiny (a quick check that it runs)")] = "gpt2-small",
 ) -> None:
-    """Side-by-side generation benchmark: HF generate vs kiln engines (GPT-2-small shape)."""
+    """Side-by-side generation benchmark: HF generate vs kiln engines (GPT-2-small shape).
+    `kiln bench serving` benchmarks the server instead."""
+    if ctx.invoked_subcommand is not None:
+        return
     _prepare_environment(Path.cwd())
     from flows import bench as bm
 
@@ -228,6 +238,46 @@ def bench(
     if json_path is not None:
         bm.write_json(rows, setup, json_path)
         render.console.print(f"rows written to {json_path}")
+
+
+@bench_app.command("serving")
+def bench_serving(
+    params_file: ParamsOption = Path("params.yaml"),
+    json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
+    engine: Annotated[list[Path] | None, typer.Option(help="engine directory to serve (repeatable; default: the champion, else the challenger)")] = None,
+    gpt2_small: Annotated[bool, typer.Option("--gpt2-small", help="add the GPT-2-small-shaped int8 engine of `kiln bench`")] = False,
+    clients: Annotated[int, typer.Option(min=1, max=256, help="concurrent clients")] = 16,
+    seconds: Annotated[float, typer.Option(min=1, max=600, help="how long each row drives its server")] = 10.0,
+    prompt_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    new_tokens: Annotated[int, typer.Option(min=1)] = 32,
+) -> None:
+    """The server under concurrent clients: continuous batching vs one request at a time."""
+    root = Path.cwd()
+    _prepare_environment(root)
+    from flows import bench_serving as bs
+
+    setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
+    with _one_line_errors():
+        engines = _serving_bench_engines(root, params_file, engine or [], gpt2_small)
+        rows = bs.serving_rows(engines, setup, params_file.resolve(), on_row=lambda row: render.console.print(f"  {row.engine}: {row.name} done"))
+    render.serving_rows(rows, setup)
+    if json_path is not None:
+        bs.write_json(rows, setup, json_path)
+        render.console.print(f"rows written to {json_path}")
+
+
+def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], gpt2_small: bool) -> dict[str, Path]:
+    found = {path.name: path.resolve() for path in engines}
+    if not found:
+        from flows.serving import promoted_engine
+
+        label, path = promoted_engine(root, _load(params_file))
+        found[label] = path
+    if gpt2_small:
+        from flows import bench as bm
+
+        found["gpt2-small int8"] = bm.benchmark_engines(Path(".kiln/bench/gpt2-small"), ["int8"], bm.BenchSetup())[1]["int8"]
+    return found
 
 
 @app.command()

@@ -85,6 +85,21 @@ def bench_rows(rows, setup, shape: str) -> None:
     console.print(table)
 
 
+def serving_rows(rows, setup) -> None:
+    """Each engine's rows side by side; the throughput ratio is against its one-at-a-time row."""
+    table = Table(title=f"kiln serve: {setup.clients} clients, {setup.prompt_tokens}-token prompts + {setup.new_tokens} new tokens, {setup.seconds:.0f} s per row")
+    for column in ("engine", "mode", "requests/s", "tokens/s", "vs one-at-a-time", "p50 ms", "p99 ms", "TTFT p50 ms", "requests", "failed"):
+        table.add_column(column, justify="left" if column in ("engine", "mode") else "right")
+    baseline = {row.engine: row.tokens_per_s for row in rows if row.name == "one-at-a-time"}
+    for row in rows:
+        ratio = row.tokens_per_s / baseline[row.engine] if baseline.get(row.engine) else float("nan")
+        table.add_row(
+            row.engine, row.name, f"{row.requests_per_s:.1f}", f"{row.tokens_per_s:.0f}", f"{ratio:.2f}×",
+            f"{row.p50_ms:.0f}", f"{row.p99_ms:.0f}", f"{row.ttft_p50_ms:.0f}", str(row.requests), str(row.failed),
+        )  # fmt: skip
+    console.print(table)
+
+
 def backend_statuses(statuses) -> None:
     table = Table(title="backends on this machine")
     for column in ("backend", "build", "run", "details"):

@@ -20,10 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving import handlers
-from serving.follow import AliasFollower, EngineSource, NothingToServe, ServedEngine
+from serving.follow import AliasFollower, NothingToServe, RuntimeOptions, ServedEngine
 from serving.handlers import ApiError
 from serving.metrics import ServerMetrics
 from serving.schemas import ErrorBody, ErrorDetail
+from serving.sources import EngineSource
 from serving.webhooks import WebhookRejected, verified_alias_event
 
 log = logging.getLogger("kiln.serving")
@@ -40,16 +41,18 @@ class ServerSettings:
     api_key: str | None = None  # bearer token for /v1/*; None: open
     webhook_secret: str | None = None  # None: /hooks/mlflow refuses every delivery
     webhook_max_age_s: float = 300.0
+    runtime: RuntimeOptions = RuntimeOptions()
 
 
 def create_app(source: EngineSource, settings: ServerSettings = ServerSettings()) -> FastAPI:
     metrics = ServerMetrics()
-    follower = AliasFollower(source, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds))
+    follower = AliasFollower(source, settings.runtime, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds))
     follower.observe_batches(metrics.observe_batch)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.startup_error = None
+        app.state.mailbox = handlers.Mailbox(asyncio.get_running_loop())
         try:
             await asyncio.to_thread(follower.follow)
         except NothingToServe as err:
@@ -99,7 +102,7 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
             engine = served()
             handlers.check_model(completion, engine)
             try:
-                return engine, handlers.submit(completion, engine, started)
+                return engine, handlers.submit(completion, engine, started, app.state.mailbox)
             except ApiError as err:  # swapped between `served()` and `submit`: the new one takes it
                 if err.code != "engine_swapping" or attempt == 2:
                     raise
@@ -160,7 +163,7 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
         except WebhookRejected as err:
             metrics.webhooks.labels("rejected").inc()
             raise ApiError(401, str(err), type="authentication_error") from None
-        ours = event is not None and event.model == follower.source.target.model_name and event.alias == follower.source.alias
+        ours = event is not None and (event.model, event.alias) == (follower.source.model_name, follower.source.alias)
         metrics.webhooks.labels("followed" if ours else "ignored").inc()
         if ours:  # re-read the alias from the registry: the payload is a hint, the registry the truth
             asyncio.get_running_loop().run_in_executor(None, lambda: follower.follow(retry_refused=True))
@@ -232,7 +235,7 @@ def serve(source: EngineSource, settings: ServerSettings, host: str, port: int) 
     import uvicorn
 
     app = create_app(source, settings)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on", timeout_graceful_shutdown=10, access_log=False)
     startup_failed = lambda: getattr(app.state, "startup_error", None) is not None
     logging.getLogger("uvicorn.error").addFilter(lambda record: not startup_failed())
     try:

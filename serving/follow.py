@@ -14,14 +14,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from components.errors import KilnError, RegistryError, VersionRefused
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
-from registry import RegistryTarget, VersionInfo, resolve_alias
-from serving.loader import PulledVersion, load, prune, pull
+from registry import VersionInfo
+from serving.loader import PulledVersion, load
 from serving.scheduler import Scheduler
+from serving.sources import EngineSource
 
 log = logging.getLogger("kiln.serving")
 
@@ -31,14 +31,12 @@ class NothingToServe(KilnError):
 
 
 @dataclass(frozen=True)
-class EngineSource:
-    """Where served engines come from, and how many pulled versions stay on disk."""
+class RuntimeOptions:
+    """How a served engine runs: ONNX Runtime threads, the batch cap (within the engine's
+    profile; 1 serves one request at a time) and the waiting line's length."""
 
-    target: RegistryTarget
-    alias: str
-    cache_root: Path
-    keep_versions: int = 3
     threads: int | None = None
+    max_batch: int | None = None
     max_waiting: int = 64
 
 
@@ -71,16 +69,16 @@ class ServedEngine:
         }
 
 
-def start_engine(pulled: PulledVersion, source: EngineSource, observe: Callable[[int, int, int], None]) -> ServedEngine:
+def start_engine(pulled: PulledVersion, options: RuntimeOptions, observe: Callable[[int, int, int], None]) -> ServedEngine:
     """Load a pulled version through the runtime the gates used, warm it, give it a scheduler."""
     started = time.perf_counter()
-    engine = load(pulled, threads=source.threads)
+    engine = load(pulled, threads=options.threads)
     try:
         engine.generate([[engine.manifest.eos_token_id]], Sampling(max_new_tokens=2, stop_at_eos=False))  # warm-up
     except KilnError as err:
         engine.close()
         raise VersionRefused(f"{pulled.label} is refused: its warm-up generation failed: {err}") from err
-    scheduler = Scheduler(engine, max_waiting=source.max_waiting, observe=observe)
+    scheduler = Scheduler(engine, max_waiting=options.max_waiting, max_batch=options.max_batch, observe=observe)
     return ServedEngine(pulled, scheduler, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()))
 
 
@@ -88,8 +86,8 @@ class AliasFollower:
     """Holds the served engine and moves it when the alias moves. `follow` is blocking and
     safe to call from several threads (one swap at a time)."""
 
-    def __init__(self, source: EngineSource, on_event: Callable[[str, ServedEngine | None, float], None]) -> None:
-        self.source = source
+    def __init__(self, source: EngineSource, options: RuntimeOptions, on_event: Callable[[str, ServedEngine | None, float], None]) -> None:
+        self.source, self.options = source, options
         self.current: ServedEngine | None = None
         self._on_event = on_event  # (result, served, seconds): the app's metrics
         self._observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None
@@ -105,7 +103,7 @@ class AliasFollower:
         is gone or the registry unreachable); with nothing served yet, raises NothingToServe."""
         with self._lock:
             try:
-                info = resolve_alias(self.source.target, self.source.alias)
+                info = self.source.resolve()
             except RegistryError as err:
                 return self._unresolved(err)
             if self.current and info.version == self.current.version:
@@ -117,12 +115,12 @@ class AliasFollower:
     def _swap_to(self, info: VersionInfo) -> str:
         try:
             started = time.perf_counter()
-            new = start_engine(pull(info, self.source.target, self.source.cache_root), self.source, self._observe)
+            new = start_engine(self.source.pull(info), self.options, self._observe)
         except KilnError as err:  # VersionRefused, or the registry failing mid-pull
             self._refused.add(info.version)
             self._on_event("refused", self.current, time.perf_counter() - started)
             if self.current is None:
-                raise NothingToServe(f"{self._alias} names version {info.version}, which cannot be served: {err}") from err
+                raise NothingToServe(f"{self.source.describe()} names version {info.version}, which cannot be served: {err}") from err
             log.error("keeping version %s: %s", self.current.version, err)
             return "refused"
         old, self.current = self.current, new
@@ -135,21 +133,18 @@ class AliasFollower:
 
     def _retire(self, old: ServedEngine) -> None:
         old.scheduler.close()  # finishes the requests it holds, then frees the engine
-        in_use = {self.current.version} if self.current else set()
-        prune(self.source.cache_root, old.model, self.source.keep_versions, in_use)
+        self.source.forget({self.current.version} if self.current else set())
 
     def _unresolved(self, err: RegistryError) -> str:
         if self.current is None:
             raise NothingToServe(
-                f"{self._alias} names no version yet ({err}). Promote one: `kiln promote` "
+                f"{self.source.describe()} names no version yet ({err}). Promote one: `kiln promote` "
                 f"(challenger → {self.source.alias}), or set the alias on a version in the MLflow UI."
+                if self.source.alias
+                else str(err)
             ) from err
-        log.warning("%s does not resolve; keeping version %s: %s", self._alias, self.current.version, err)
+        log.warning("%s does not resolve; keeping version %s: %s", self.source.describe(), self.current.version, err)
         return "unresolved"
-
-    @property
-    def _alias(self) -> str:
-        return f"models:/{self.source.target.model_name}@{self.source.alias}"
 
     def close(self) -> None:
         with self._lock:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -68,17 +70,49 @@ class Submitted:
             seq.cancelled = True
 
 
-def submit(request: CompletionRequest, served: ServedEngine, started: float) -> Submitted:
+class Mailbox:
+    """Events from the scheduler's thread into the event loop, with one wake-up per batch
+    of events rather than one per token: a decode step of 16 rows wakes the loop once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._pending: deque[tuple[asyncio.Queue, object]] = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item: object) -> None:  # any thread
+        with self._lock:
+            self._pending.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+    def _deliver(self) -> None:  # the event loop
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, deque(), False
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
+def submit(request: CompletionRequest, served: ServedEngine, started: float, mailbox: Mailbox) -> Submitted:
     """Tokenize, check against the engine's profile, and queue every prompt of the request."""
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    sampling = Sampling(max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+    sampling = Sampling(
+        max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos
+    )
+    vocab = served.pulled.engine_dir.manifest.vocab_size
     sequences = []
     for index, prompt in enumerate(request.prompts):
-        ids = served.tokenizer.encode(prompt)
+        ids = served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise ApiError(400, f"prompt {index} encodes to no tokens", param="prompt")
-        sequences.append(Sequence(ids, sampling, TextStream(served.tokenizer.decode, request.stops), _emitter(loop, events, index)))
+        if max(ids) >= vocab:
+            raise ApiError(400, f"prompt {index} has token id {max(ids)}; the model's vocabulary has {vocab}", param="prompt")
+        sequences.append(Sequence(ids, sampling, TextStream(served.tokenizer.decode, request.stops), _emitter(mailbox, events, index)))
     try:
         served.scheduler.submit(sequences)
     except ShapeOutOfProfile as err:
@@ -94,14 +128,8 @@ def submit(request: CompletionRequest, served: ServedEngine, started: float) -> 
     return Submitted(sequences, events, started)
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int):
-    def emit(event: Event) -> None:  # called on the scheduler's thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, (index, event))
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            pass
-
-    return emit
+def _emitter(mailbox: Mailbox, events: asyncio.Queue, index: int):
+    return lambda event: mailbox.post(events, (index, event))  # called on the scheduler's thread
 
 
 async def events_of(job: Submitted) -> AsyncIterator[tuple[int, Event]]:
@@ -133,26 +161,33 @@ async def complete(request: CompletionRequest, served: ServedEngine, job: Submit
 
 async def stream(request: CompletionRequest, served: ServedEngine, job: Submitted) -> AsyncIterator[str]:
     """Server-sent events: a chunk per text delta, a last chunk per choice with its
-    finish_reason (and the usage, once all have ended), then `data: [DONE]`."""
-    completion_id, created = job_id(), int(time.time())
+    finish_reason (and the usage, once all have ended), then `data: [DONE]`. Chunks that
+    are ready together leave in one write."""
+    head = {"id": job_id(), "object": "text_completion", "created": int(time.time()), "model": served.model}
     finished: dict[int, Finished] = {}
+    ready: list[str] = []
 
     def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None) -> str:
-        body = Completion(id=completion_id, created=created, model=served.model, choices=[Choice(index=index, text=text, finish_reason=reason)], usage=usage)
-        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        body = head | {"choices": [choice]} | ({"usage": usage.model_dump()} if usage else {})
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
         async for index, event in events_of(job):
             if isinstance(event, Delta):
                 if event.text:
-                    yield chunk(index, event.text, None)
+                    ready.append(chunk(index, event.text, None))
             else:
                 finished[index] = event
                 last = len(finished) == len(job.sequences)
-                yield chunk(index, "", event.reason, usage_of(finished.values()) if last else None)
-    except ApiError as err:  # headers are sent: the error travels as an event
-        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'param': err.param, 'code': err.code}})}\n\n"
-    yield "data: [DONE]\n\n"
+                ready.append(chunk(index, "", event.reason, usage_of(finished.values()) if last else None))
+            if ready and job.events.empty():
+                yield "".join(ready)
+                ready.clear()
+    except ApiError as err:  # the headers are sent: the error travels as an event
+        error = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+        ready.append(f"data: {json.dumps({'error': error})}\n\n")
+    yield "".join(ready) + "data: [DONE]\n\n"
 
 
 def usage_of(finished) -> Usage:
@@ -175,7 +210,7 @@ def observe(job: Submitted, metrics: ServerMetrics, outcome: str) -> None:
             metrics.time_per_output_token.observe((job.last_token_at - job.first_token_at) / (job.tokens - 1))
 
 
-def model_list(served: ServedEngine, alias: str) -> ModelList:
+def model_list(served: ServedEngine, alias: str | None) -> ModelList:
     facts = served.facts
     card = ModelCard(
         id=served.model, created=served.created, version=served.version, alias=alias,

@@ -79,11 +79,12 @@ class Scheduler:
         self,
         engine: Engine,
         max_waiting: int,
+        max_batch: int | None = None,
         observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None,
     ) -> None:
         profiles = engine.manifest.profiles
         self.engine = engine
-        self.max_batch = min(profiles["context"].batch.max, profiles["generation"].batch.max)
+        self.max_batch = min(profiles["context"].batch.max, profiles["generation"].batch.max, max_batch or 1 << 30)
         self.max_prompt = profiles["context"].sequence.max
         self.max_total = profiles["generation"].past.max + 1
         self.max_waiting = max_waiting

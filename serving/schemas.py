@@ -12,13 +12,16 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
+TextList = Annotated[list[NonEmptyText], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+    # Text, texts, or (as OpenAI's API allows) token ids: one list, or a list of lists.
+    prompt: NonEmptyText | TextList | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: Annotated[int, Field(gt=0)] = 16
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -28,16 +31,21 @@ class CompletionRequest(BaseModel):
     n: Literal[1] = 1  # one choice per prompt: kiln does not sample alternatives
     user: str | None = None  # accepted and ignored, as OpenAI's servers do for routing
 
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes (benchmarks)
+
     @field_validator("prompt")
     @classmethod
-    def _no_blank_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if any(not p.strip() for p in ([prompt] if isinstance(prompt, str) else prompt)):
+    def _no_blank_prompt(cls, prompt):
+        if any(isinstance(p, str) and not p.strip() for p in ([prompt] if isinstance(prompt, str) else prompt)):
             raise ValueError("a prompt must contain text, not only whitespace")
         return prompt
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a text, or the token ids of one prompt."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -74,7 +82,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kiln"
     version: str
-    alias: str
+    alias: str | None  # None: a local engine directory, not a registry alias
     precision: str
     backend: str
     engine_sha256: str

@@ -26,7 +26,8 @@ from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from registry import CHAMPION, RegistryTarget, promote, register_engine
 from serving.app import VERSION_HEADER, ServerSettings, create_app
-from serving.follow import EngineSource
+from serving.follow import RuntimeOptions
+from serving.sources import AliasSource
 from serving.webhooks import signature_of
 
 from .conftest import build_engine
@@ -54,8 +55,9 @@ class Store:
         promote(self.target, CHAMPION, version=self.fp32)
 
     def app(self, **settings):
-        source = EngineSource(self.target, CHAMPION, self.root / "cache", max_waiting=settings.pop("max_waiting", 32))
-        defaults = dict(poll_interval_s=0, max_tokens=64, max_body_bytes=4096, webhook_secret=SECRET)
+        source = AliasSource(self.target, CHAMPION, self.root / "cache")
+        runtime = RuntimeOptions(max_waiting=settings.pop("max_waiting", 32))
+        defaults = {"poll_interval_s": 0, "max_tokens": 64, "max_body_bytes": 4096, "webhook_secret": SECRET, "runtime": runtime}
         return create_app(source, ServerSettings(**(defaults | settings)))
 
 
@@ -152,6 +154,21 @@ def test_a_list_of_prompts_gets_one_choice_each_in_order(server, engine, tokeniz
     assert [c["text"] for c in body["choices"]] == [expected_text(engine, tokenizer, p, 6) for p in prompts]
 
 
+def test_token_id_prompts_are_served_like_their_text(server, tokenizer):
+    ids = tokenizer.encode("The list")
+    with server.client() as client:
+        by_text = completion(client, prompt="The list", max_tokens=6, temperature=0).json()
+        by_ids = completion(client, prompt=[ids, ids], max_tokens=6, temperature=0).json()
+    assert [c["text"] for c in by_ids["choices"]] == [by_text["choices"][0]["text"]] * 2
+    assert by_ids["usage"]["prompt_tokens"] == 2 * len(ids)
+
+
+def test_ignore_eos_generates_exactly_max_tokens(server):
+    with server.client() as client:
+        usage = completion(client, prompt="The list", max_tokens=40, temperature=1.0, seed=1, ignore_eos=True).json()["usage"]
+    assert usage["completion_tokens"] == 40
+
+
 def test_a_seed_makes_sampling_reproducible_and_another_seed_differs(server):
     with server.client() as client:
         runs = [completion(client, prompt="The list", max_tokens=24, temperature=1.5, top_p=0.95, seed=seed).json()["choices"][0]["text"] for seed in (7, 7, 8)]
@@ -188,7 +205,15 @@ def test_concurrent_requests_share_decode_steps_and_each_gets_its_own_answer(ser
     steps = after["kiln_decode_steps_total"] - before["kiln_decode_steps_total"]
     rows = after["kiln_decoded_rows_total"] - before["kiln_decoded_rows_total"]
     assert rows / steps > 2, f"{rows:.0f} rows in {steps:.0f} decode steps: the requests did not share steps"
-    assert after["kiln_running_batch_size"] == 0 and after["kiln_queue_depth"] == 0
+    wait_for_empty_batch(server)
+
+
+def wait_for_empty_batch(live: LiveServer) -> None:
+    """The gauges are set when the scheduler's turn ends, just after the last answer left."""
+    deadline = time.monotonic() + 10
+    while (m := metrics_of(live))["kiln_running_batch_size"] or m["kiln_queue_depth"]:
+        assert time.monotonic() < deadline, "sequences stayed in the batch after every client had its answer"
+        time.sleep(0.05)
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_answering(store):
@@ -203,10 +228,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_answerin
 def test_a_client_that_disconnects_mid_stream_leaves_the_server_answering(server):
     with server.client() as client, client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": ["The list"] * 4, "max_tokens": 120, "stream": True}) as response:
         next(response.iter_lines())  # one chunk, then hang up
-    deadline = time.monotonic() + 10
-    while metrics_of(server)["kiln_running_batch_size"] > 0:
-        assert time.monotonic() < deadline, "the abandoned sequences never left the batch"
-        time.sleep(0.05)
+    wait_for_empty_batch(server)
     with server.client() as client:
         assert completion(client, prompt="x", max_tokens=2).status_code == 200
 
@@ -256,6 +278,9 @@ BAD_INPUTS = {
     "negative-temperature": (b'{"model": "kiln-serve", "prompt": "x", "temperature": -0.1}', 400, "temperature"),
     "top-p-zero": (b'{"model": "kiln-serve", "prompt": "x", "top_p": 0}', 400, "top_p"),
     "top-p-above-one": (b'{"model": "kiln-serve", "prompt": "x", "top_p": 1.5}', 400, "top_p"),
+    "token-id-beyond-vocabulary": (b'{"model": "kiln-serve", "prompt": [5, 99999]}', 400, "prompt"),
+    "negative-token-id": (b'{"model": "kiln-serve", "prompt": [5, -1]}', 400, "prompt"),
+    "text-and-ids-mixed": (b'{"model": "kiln-serve", "prompt": [5, "x"]}', 400, "prompt"),
     "unknown-model": (b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
     "body-over-limit": (b'{"model": "kiln-serve", "prompt": "' + b"x" * 5000 + b'"}', 413, None),
 }

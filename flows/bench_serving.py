@@ -1,0 +1,180 @@
+"""`kiln bench serving`: the server under concurrent clients, continuous batching vs one
+request at a time, on the same engine in the same run.
+
+Each row starts `kiln serve --engine DIR` as its own process (loopback only), waits until
+it is ready, then N clients (asyncio + httpx, streaming so that time to first token is
+seen) send requests back to back for T seconds or until a request budget is spent. The
+clients run in this process and the server in its own, so they share no GIL. Prompts are
+random token ids of a fixed length and `ignore_eos` holds every answer to `new_tokens`,
+so both rows do the same work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from components.engine_dir import load_engine_dir
+from components.errors import KilnError
+
+MODES = {"one-at-a-time": 1, "continuous-batching": None}  # row name → `kiln serve --max-batch`
+
+
+@dataclass(frozen=True)
+class ServingBenchSetup:
+    clients: int = 16
+    seconds: float = 10.0
+    max_requests: int = 5000
+    prompt_tokens: int = 32
+    new_tokens: int = 32
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServingRow:
+    name: str
+    engine: str
+    requests_per_s: float
+    tokens_per_s: float
+    p50_ms: float
+    p99_ms: float
+    ttft_p50_ms: float
+    requests: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class _Sample:
+    seconds: float
+    ttft: float
+    tokens: int
+    ok: bool
+
+
+def serving_rows(engines: dict[str, Path], setup: ServingBenchSetup, params_file: Path, on_row=lambda row: None) -> list[ServingRow]:
+    """Two rows per engine, one-at-a-time then continuous-batching, each on a fresh server."""
+    rows = []
+    for label, engine_dir in engines.items():
+        vocab = load_engine_dir(engine_dir).manifest.vocab_size
+        for mode, max_batch in MODES.items():
+            with _Server(engine_dir, max_batch, params_file) as url:
+                row = _measure(url, mode, label, vocab, setup)
+            rows.append(row)
+            on_row(row)
+    return rows
+
+
+def write_json(rows: list[ServingRow], setup: ServingBenchSetup, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setup": asdict(setup), "rows": [asdict(r) for r in rows]}, indent=2))
+
+
+class _Server:
+    """`kiln serve --engine DIR` on a free loopback port; stopped with SIGTERM."""
+
+    def __init__(self, engine_dir: Path, max_batch: int | None, params_file: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [str(Path(sys.executable).parent / "kiln"), "serve", "--engine", str(engine_dir), "--params", str(params_file), "--port", str(self.port)]
+        if max_batch:
+            self.command += ["--max-batch", str(max_batch)]
+        self.log = Path(tempfile.mkstemp(prefix="kiln-bench-serve-", suffix=".log")[1])
+
+    def __enter__(self) -> str:
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        deadline = time.monotonic() + 180
+        while not self._ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise KilnError(f"the benchmark server did not become ready: {self.log.read_text()[-800:]}")
+            time.sleep(0.2)
+        return self.url
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def __exit__(self, *_exc) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSetup) -> ServingRow:
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    rng = np.random.default_rng(setup.seed)
+    prompts = [rng.integers(0, vocab, setup.prompt_tokens).tolist() for _ in range(64)]
+    samples, elapsed = asyncio.run(_drive(url, model, prompts, setup))
+    ok = [s for s in samples if s.ok]
+    if not ok:
+        raise KilnError(f"every request to the {mode} server failed")
+    latencies = np.array([s.seconds for s in ok]) * 1000
+    return ServingRow(
+        name=mode, engine=label,
+        requests_per_s=len(ok) / elapsed, tokens_per_s=sum(s.tokens for s in ok) / elapsed,
+        p50_ms=float(np.percentile(latencies, 50)), p99_ms=float(np.percentile(latencies, 99)),
+        ttft_p50_ms=float(np.percentile([s.ttft * 1000 for s in ok], 50)),
+        requests=len(ok), failed=len(samples) - len(ok),
+    )  # fmt: skip
+
+
+async def _drive(url: str, model: str, prompts: list[list[int]], setup: ServingBenchSetup) -> tuple[list[_Sample], float]:
+    limits = httpx.Limits(max_connections=setup.clients, max_keepalive_connections=setup.clients)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        await asyncio.gather(*(_one(client, model, prompts[i % len(prompts)], setup) for i in range(setup.clients)))  # warm-up
+        samples: list[_Sample] = []
+        started = time.perf_counter()
+        deadline = started + setup.seconds
+
+        async def client_loop(index: int) -> None:
+            sent = 0
+            while time.perf_counter() < deadline and len(samples) < setup.max_requests:
+                samples.append(await _one(client, model, prompts[(index + sent * setup.clients) % len(prompts)], setup))
+                sent += 1
+
+        await asyncio.gather(*(client_loop(i) for i in range(setup.clients)))
+        return samples, time.perf_counter() - started
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], setup: ServingBenchSetup) -> _Sample:
+    body = {"model": model, "prompt": prompt, "max_tokens": setup.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    first, tokens = None, 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return _Sample(time.perf_counter() - started, 0.0, 0, False)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                first = first or time.perf_counter()
+                if '"usage"' in line:  # only the last chunk is parsed: the client's work stays small
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    except httpx.HTTPError:
+        return _Sample(time.perf_counter() - started, 0.0, 0, False)
+    return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, tokens, tokens == setup.new_tokens)
