@@ -39,14 +39,17 @@ def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int) -
     registry_target(params.registry, root).artifact_root.mkdir(parents=True, exist_ok=True)
     # A TERM (from a supervisor, or `timeout`) must still stop both servers below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    environments = {"mlflow": os.environ | webhook_environment(root), "prefect": os.environ.copy()}
     processes = {
-        name: subprocess.Popen(command, cwd=root, env=os.environ.copy(), start_new_session=True)
+        name: subprocess.Popen(command, cwd=root, env=environments[name], start_new_session=True)
         for name, command in commands.items()
     }
     console.print(f"MLflow UI  http://127.0.0.1:{mlflow_port}   (models → {params.registry.model_name})")
     console.print(f"Prefect UI http://127.0.0.1:{prefect_port}")
-    console.print("Ctrl-C stops both.")
     try:
+        hook = register_serving_webhook(root, params, f"http://127.0.0.1:{mlflow_port}", processes["mlflow"])
+        console.print(f"alias changes made in the MLflow UI → {hook} (kiln serve)")
+        console.print("Ctrl-C stops both.")
         while all(p.poll() is None for p in processes.values()):
             time.sleep(1)
         dead = [name for name, p in processes.items() if p.poll() is not None]
@@ -57,3 +60,41 @@ def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int) -
                 os.killpg(process.pid, signal.SIGTERM)
         for process in processes.values():
             process.wait(timeout=30)
+
+
+def webhook_environment(root: Path) -> dict[str, str]:
+    """What `mlflow server` needs to deliver registry webhooks to a local `kiln serve`
+    (FACTS.md): http and private addresses allowed, a kept key for the stored secrets, and
+    a short cache so that a new webhook takes effect within seconds."""
+    from flows.serving import mlflow_encryption_key
+
+    return {
+        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+        "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": mlflow_encryption_key(root),
+        "MLFLOW_WEBHOOK_CACHE_TTL": "5",
+    }
+
+
+def register_serving_webhook(root: Path, params: Params, mlflow_url: str, process: subprocess.Popen, timeout_s: float = 120) -> str:
+    """Once the MLflow server answers, have it POST alias changes to `kiln serve`'s
+    /hooks/mlflow, signed with the project's webhook secret."""
+    import urllib.request
+
+    from flows.serving import ensure_webhook_secret
+    from registry import RegistryTarget, register_alias_webhook
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{mlflow_url}/health", timeout=2):
+                break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise KilnError(f"the MLflow server at {mlflow_url} did not start; see its output above") from None
+            time.sleep(0.5)
+    host = "127.0.0.1" if params.serving.host in ("0.0.0.0", "::", "") else params.serving.host  # listening everywhere: reach it on loopback
+    hook = f"http://{host}:{params.serving.port}/hooks/mlflow"
+    target = RegistryTarget(mlflow_url, params.registry.model_name, params.registry.experiment)
+    register_alias_webhook(target, hook, ensure_webhook_secret(root))
+    return hook

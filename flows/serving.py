@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from components.config import Params
@@ -24,6 +25,33 @@ def webhook_secret(root: Path) -> str | None:
         return os.environ[WEBHOOK_SECRET_ENV]
     path = webhook_secret_file(root)
     return path.read_text().strip() if path.is_file() else None
+
+
+def ensure_webhook_secret(root: Path) -> str:
+    """The project's webhook secret, made (random, readable by its owner only) if none exists."""
+    existing = webhook_secret(root)
+    if existing:
+        return existing
+    return _private_file(webhook_secret_file(root), secrets.token_urlsafe(32))
+
+
+def mlflow_encryption_key(root: Path) -> str:
+    """The Fernet key MLflow encrypts webhook secrets with; kept so that a restarted
+    `kiln up` can still read the secrets it stored (unset, MLflow picks one per process)."""
+    path = Workspace(root).state / "mlflow-webhook.key"
+    if path.is_file():
+        return path.read_text().strip()
+    from cryptography.fernet import Fernet
+
+    return _private_file(path, Fernet.generate_key().decode())
+
+
+def _private_file(path: Path, content: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(content)
+    return content
 
 
 def serve_alias(root: Path, params: Params, alias: str | None, host: str | None, port: int | None, engine: Path | None = None, max_batch: int | None = None) -> None:

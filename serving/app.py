@@ -142,9 +142,9 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
             raise
         headers = {VERSION_HEADER: engine.version}
         if completion.stream:
-            return StreamingResponse(_streamed(completion, engine, job, metrics), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(_streamed(engine, job, metrics), media_type="text/event-stream", headers=headers)
         try:
-            body = await handlers.complete(completion, engine, job)
+            body = await handlers.complete(engine, job)
         except ApiError as err:
             handlers.observe(job, metrics, _outcome(err))
             raise
@@ -170,10 +170,10 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
         return JSONResponse({"accepted": True, "followed": ours})
 
 
-async def _streamed(completion, engine: ServedEngine, job: handlers.Submitted, metrics: ServerMetrics) -> AsyncIterator[str]:
+async def _streamed(engine: ServedEngine, job: handlers.Submitted, metrics: ServerMetrics) -> AsyncIterator[str]:
     outcome = "cancelled"
     try:
-        async for chunk in handlers.stream(completion, engine, job):
+        async for chunk in handlers.stream(engine, job):
             yield chunk
         outcome = "ok"
     finally:  # also when the client disconnects: its sequences leave the batch at the next step

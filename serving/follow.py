@@ -75,7 +75,7 @@ def start_engine(pulled: PulledVersion, options: RuntimeOptions, observe: Callab
     engine = load(pulled, threads=options.threads)
     try:
         engine.generate([[engine.manifest.eos_token_id]], Sampling(max_new_tokens=2, stop_at_eos=False))  # warm-up
-    except KilnError as err:
+    except Exception as err:  # ShapeOutOfProfile or the backend's own error type alike
         engine.close()
         raise VersionRefused(f"{pulled.label} is refused: its warm-up generation failed: {err}") from err
     scheduler = Scheduler(engine, max_waiting=options.max_waiting, max_batch=options.max_batch, observe=observe)
@@ -116,7 +116,7 @@ class AliasFollower:
         try:
             started = time.perf_counter()
             new = start_engine(self.source.pull(info), self.options, self._observe)
-        except KilnError as err:  # VersionRefused, or the registry failing mid-pull
+        except Exception as err:  # VersionRefused, the registry failing mid-pull, or a runtime's own error: never served
             self._refused.add(info.version)
             self._on_event("refused", self.current, time.perf_counter() - started)
             if self.current is None:

@@ -147,7 +147,7 @@ async def events_of(job: Submitted) -> AsyncIterator[tuple[int, Event]]:
         yield index, event
 
 
-async def complete(request: CompletionRequest, served: ServedEngine, job: Submitted) -> Completion:
+async def complete(served: ServedEngine, job: Submitted) -> Completion:
     texts = [""] * len(job.sequences)
     finished: dict[int, Finished] = {}
     async for index, event in events_of(job):
@@ -159,7 +159,7 @@ async def complete(request: CompletionRequest, served: ServedEngine, job: Submit
     return Completion(id=job_id(), created=int(time.time()), model=served.model, choices=choices, usage=usage_of(finished.values()))
 
 
-async def stream(request: CompletionRequest, served: ServedEngine, job: Submitted) -> AsyncIterator[str]:
+async def stream(served: ServedEngine, job: Submitted) -> AsyncIterator[str]:
     """Server-sent events: a chunk per text delta, a last chunk per choice with its
     finish_reason (and the usage, once all have ended), then `data: [DONE]`. Chunks that
     are ready together leave in one write."""

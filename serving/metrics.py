@@ -3,7 +3,13 @@ app's own so two apps in one process (tests, a swap) never collide in the global
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Request times on a 2-core CPU run from milliseconds (one token) to seconds (a long stream).
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -14,6 +20,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds
+        if shutil.which("nvidia-smi"):
+            self.registry.register(GpuCollector())
         r = self.registry
         self.request_duration = Histogram(
             "kiln_request_duration_seconds", "Whole completion requests, arrival to last byte.", registry=r, buckets=_REQUEST_BUCKETS
@@ -46,3 +54,36 @@ class ServerMetrics:
         if decoded:
             self.decode_steps.inc()
             self.decoded_rows.inc(decoded)
+
+
+class GpuCollector(Collector):
+    """GPU utilisation and memory per device, read from `nvidia-smi` at scrape time (no
+    NVML binding is in the stack; a scrape every few seconds can afford a subprocess)."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv,noheader,nounits"]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        utilisation = GaugeMetricFamily("kiln_gpu_utilization_ratio", "GPU busy fraction (nvidia-smi).", labels=["gpu"])
+        used = GaugeMetricFamily("kiln_gpu_memory_used_bytes", "GPU memory in use (nvidia-smi).", labels=["gpu"])
+        total = GaugeMetricFamily("kiln_gpu_memory_total_bytes", "GPU memory (nvidia-smi).", labels=["gpu"])
+        for index, busy_pct, used_mib, total_mib in gpu_readings(self.QUERY):
+            utilisation.add_metric([index], busy_pct / 100)
+            used.add_metric([index], used_mib * 2**20)
+            total.add_metric([index], total_mib * 2**20)
+        yield from (utilisation, used, total)
+
+
+def gpu_readings(command: list[str]) -> list[tuple[str, float, float, float]]:
+    """(index, utilisation %, used MiB, total MiB) per GPU; empty when nvidia-smi fails."""
+    try:
+        output = subprocess.run(command, capture_output=True, text=True, timeout=2, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    readings = []
+    for line in output.strip().splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        try:
+            readings.append((parts[0], float(parts[1]), float(parts[2]), float(parts[3])))
+        except (IndexError, ValueError):  # "[N/A]" on some boards: skip that GPU
+            continue
+    return readings

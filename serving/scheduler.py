@@ -21,7 +21,7 @@ import numpy as np
 
 from components.errors import KilnError, ShapeOutOfProfile
 from components.runtime.engine import DecodeState, Engine, left_pad
-from components.runtime.sampling import Sampling, pick_next
+from components.runtime.sampling import Sampling, pick_each
 from serving.text import TextStream
 
 
@@ -197,9 +197,9 @@ class Scheduler:
     def _advance(self, logits: np.ndarray, rows: range) -> None:
         """Pick each row's next token with its own sampling; emit it; retire the finished."""
         done = []
-        for offset, row in enumerate(rows):
-            seq = self._running[row]
-            token = int(pick_next(logits[offset : offset + 1], seq.sampling, seq.rng)[0])
+        sequences = [self._running[row] for row in rows]
+        tokens = pick_each(logits, [s.sampling for s in sequences], [s.rng for s in sequences])
+        for row, seq, token in zip(rows, sequences, tokens.tolist(), strict=True):
             self._next[row] = token
             reason = self._accept(seq, token)
             if reason:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from components.config import ServingParams, load_params
 from flows.cli import app
 
 from .conftest import make_project, tiny_params
@@ -119,7 +120,7 @@ def served(tmp_path_factory):
     """`kiln up` in a project: both servers must answer; the kiln verbs below talk to its
     Prefect server (so no run starts a temporary one); SIGTERM must stop both."""
     root = make_project(tmp_path_factory.mktemp("cli") / "p")
-    write_params(root / "params.yaml", tiny_params(root))
+    write_params(root / "params.yaml", tiny_params(root, serving=ServingParams(port=free_port(), poll_interval_s=1)))
     mlflow_port, prefect_port = free_port(), free_port()
     log = (root / "kiln-up.log").open("w")  # a file, not a pipe nobody reads: the servers are chatty
     up = subprocess.Popen(
@@ -168,6 +169,42 @@ def test_kiln_run_registers_a_challenger_prints_a_sample_and_a_second_run_regist
     # What the MLflow UI shows, through kiln up's server.
     model = get_json(f"{served.mlflow}/api/2.0/mlflow/registered-models/get?name=kiln-tiny")["registered_model"]
     assert {a["alias"]: a["version"] for a in model["aliases"]} == {"challenger": "1", "champion": "1"}
+
+
+@pytest.mark.slow
+def test_kiln_serve_answers_with_the_champion_and_hears_alias_changes_from_the_mlflow_server(served):
+    """After the run above: `kiln serve` serves the champion; an alias set through kiln up's
+    MLflow server (the REST call its UI makes) reaches the server by the webhook kiln up registered."""
+    from openai import OpenAI
+
+    assert kiln_in(served, "promote").returncode == 0
+    port = load_params(served.root / "params.yaml").serving.port
+    url = f"http://127.0.0.1:{port}"
+    log = (served.root / "kiln-serve.log").open("w")
+    server = subprocess.Popen([KILN, "serve"], cwd=served.root, env=served.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(f"{url}/readyz"):
+            assert server.poll() is None and time.monotonic() < deadline, (served.root / "kiln-serve.log").read_text()[-3000:]
+            time.sleep(0.3)
+        (card,) = get_json(f"{url}/v1/models")["data"]
+        version = get_json(f"{served.mlflow}/api/2.0/mlflow/model-versions/get?name=kiln-tiny&version=1")["model_version"]
+        assert card["version"] == "1" and card["alias"] == "champion"
+        assert card["engine_sha256"] == {t["key"]: t["value"] for t in version["tags"]}["engine_sha256"]
+        answer = OpenAI(base_url=f"{url}/v1", api_key="unused").completions.create(model="kiln-tiny", prompt="The list", max_tokens=5)
+        assert answer.usage.completion_tokens >= 1
+
+        body = json.dumps({"name": "kiln-tiny", "alias": "champion", "version": "1"}).encode()
+        request = urllib.request.Request(f"{served.mlflow}/api/2.0/mlflow/registered-models/alias", data=body, method="POST", headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=10).close()
+        deadline = time.monotonic() + 30
+        while 'kiln_webhook_deliveries_total{result="followed"} 1.0' not in urllib.request.urlopen(f"{url}/metrics").read().decode():
+            assert time.monotonic() < deadline, "the MLflow server's webhook never reached kiln serve"
+            time.sleep(0.3)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 143  # after a graceful shutdown: uvicorn re-raises the signal
+    assert "Application shutdown complete" in (served.root / "kiln-serve.log").read_text()
 
 
 @pytest.mark.slow

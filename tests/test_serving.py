@@ -233,6 +233,24 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_server_answering(server
         assert completion(client, prompt="x", max_tokens=2).status_code == 200
 
 
+def test_the_batch_never_exceeds_the_engines_profile_and_the_rest_wait(engine, tokenizer):
+    from serving.scheduler import Finished, Scheduler, Sequence
+    from serving.text import TextStream
+
+    batches, finished = [], threading.Semaphore(0)
+    scheduler = Scheduler(engine, max_waiting=32, observe=lambda running, waiting, decoded: batches.append((running, waiting)))
+    emit = lambda event: finished.release() if isinstance(event, Finished) else None  # noqa: E731
+    sequences = [Sequence(tokenizer.encode(f"The list {i}"), Sampling(max_new_tokens=6, stop_at_eos=False), TextStream(tokenizer.decode), emit) for i in range(20)]
+    scheduler.submit(sequences)
+    for _ in sequences:
+        assert finished.acquire(timeout=30)
+    profile_max = engine.manifest.profiles["generation"].batch.max
+    assert max(running for running, _ in batches) == profile_max
+    assert max(waiting for _, waiting in batches) > 0
+    assert all(len(s.generated) == 6 for s in sequences)
+    assert scheduler.close(timeout=5)
+
+
 def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(engine, tokenizer):
     """What a disconnect does (the server marks the client's sequences cancelled): the slot
     is free at once, not after max_tokens."""
@@ -387,37 +405,46 @@ def test_a_moved_alias_is_picked_up_by_polling_under_load_with_no_failed_request
     assert swaps == 2  # the first load, then the move
 
 
-def test_a_version_the_loader_refuses_is_never_served_and_the_old_one_keeps_serving(fresh_store, engine_dir, caplog):
+def spoil_tampered(store: Store) -> str:
+    tamper(stored_engine(store.target, store.int8), also_manifest=True)
+    return "sha256"
+
+
+def spoil_gates(store: Store) -> str:
     from mlflow import MlflowClient
 
-    tamper(stored_engine(fresh_store.target, fresh_store.int8), also_manifest=True)
+    MlflowClient(store.target.tracking_uri).set_model_version_tag(MODEL, store.int8, "gates.passed", "false")
+    return "did not pass its gates"
+
+
+def spoil_artifacts(store: Store) -> str:
+    import shutil
+
+    shutil.rmtree(stored_engine(store.target, store.int8))
+    return "artifacts cannot be downloaded"
+
+
+@pytest.mark.parametrize("spoil", [spoil_tampered, spoil_gates, spoil_artifacts], ids=["tampered-engine", "gates-failed", "artifacts-gone"])
+def test_a_version_the_loader_refuses_is_never_served_and_the_old_one_keeps_serving(fresh_store, engine_dir, caplog, spoil):
+    from mlflow import MlflowClient
+
+    reason = spoil(fresh_store)
     with LiveServer(fresh_store.app(poll_interval_s=0.2)) as live:
-        # promote() would refuse it; a person in the MLflow UI can still set the alias
+        # `kiln promote` would refuse it; a person in the MLflow UI can still set the alias
         MlflowClient(fresh_store.target.tracking_uri).set_registered_model_alias(MODEL, CHAMPION, fresh_store.int8)
         deadline = time.monotonic() + 15
         while metrics_of(live).get('kiln_engine_swaps_total{"result": "refused"}', 0) < 1:
             assert time.monotonic() < deadline, "the refusal was never counted"
             time.sleep(0.1)
+        time.sleep(0.5)  # more polls: still refused, never retried into service
         with live.client() as client:
             response = completion(client, prompt="x", max_tokens=2)
         card = httpx.get(f"{live.url}/v1/models").json()["data"][0]
+        refusals = metrics_of(live)['kiln_engine_swaps_total{"result": "refused"}']
     assert response.status_code == 200 and response.headers[VERSION_HEADER] == fresh_store.fp32
     assert card["version"] == fresh_store.fp32 and card["engine_sha256"] == engine_dir.sha256
-    assert any(f"keeping version {fresh_store.fp32}" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
-
-
-def test_a_version_whose_gates_failed_set_by_hand_is_refused(fresh_store, engine_dir, int8_engine_dir, caplog):
-    from mlflow import MlflowClient
-
-    MlflowClient(fresh_store.target.tracking_uri).set_model_version_tag(MODEL, fresh_store.int8, "gates.passed", "false")
-    with LiveServer(fresh_store.app(poll_interval_s=0.2)) as live:
-        MlflowClient(fresh_store.target.tracking_uri).set_registered_model_alias(MODEL, CHAMPION, fresh_store.int8)
-        deadline = time.monotonic() + 15
-        while metrics_of(live).get('kiln_engine_swaps_total{"result": "refused"}', 0) < 1:
-            assert time.monotonic() < deadline, "the refusal was never counted"
-            time.sleep(0.1)
-        assert httpx.get(f"{live.url}/v1/models").json()["data"][0]["version"] == fresh_store.fp32
-    assert any("did not pass its gates" in r.getMessage() for r in caplog.records)
+    assert refusals == 1  # logged and counted once, not at every poll
+    assert any(f"keeping version {fresh_store.fp32}" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
 # ---------------------------------------------------------------- webhooks
@@ -524,3 +551,67 @@ def test_kiln_serve_with_no_version_behind_the_alias_says_how_to_get_one_and_exi
     output = " ".join((result.stdout + result.stderr).split())
     assert "kiln-nothing-yet@champion names no version yet" in output
     assert "kiln promote" in output and "MLflow UI" in output
+
+
+def test_kiln_bench_serving_measures_both_modes_on_one_engine_and_writes_json(tmp_path, engine_dir):
+    (tmp_path / "params.yaml").write_text("{}\n")  # the defaults
+    command = [str(Path(sys.executable).parent / "kiln"), "bench", "serving", "--engine", str(engine_dir.path),
+               "--clients", "4", "--seconds", "1", "--prompt-tokens", "8", "--new-tokens", "8", "--json", str(tmp_path / "serving.json")]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "one-at-a-time" in result.stdout and "continuous-batching" in result.stdout
+    report = json.loads((tmp_path / "serving.json").read_text())
+    assert [row["name"] for row in report["rows"]] == ["one-at-a-time", "continuous-batching"]
+    for row in report["rows"]:
+        assert row["failed"] == 0 and row["requests"] >= 4
+        assert row["tokens_per_s"] == pytest.approx(row["requests_per_s"] * 8, rel=1e-6)  # ignore_eos: 8 tokens each
+        assert 0 < row["ttft_p50_ms"] <= row["p50_ms"] <= row["p99_ms"]
+    assert set(report["rows"][0]) == {"name", "engine", "requests_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ttft_p50_ms", "requests", "failed"}
+
+
+def test_the_loader_keeps_only_the_last_few_pulled_versions_and_never_the_served_one(store, tmp_path):
+    from serving.loader import prune, pull_version
+
+    cache = tmp_path / "cache"
+    for version in (store.fp32, store.int8):
+        pull_version(store.target, version, cache)
+        time.sleep(0.02)  # distinct mtimes
+    assert prune(cache, MODEL, keep=1, in_use={store.fp32}) == []  # the older one is in use
+    assert prune(cache, MODEL, keep=1, in_use=set()) == [store.fp32]
+    assert sorted(p.name for p in (cache / MODEL).iterdir() if not p.name.startswith(".")) == [store.int8]
+
+
+def test_gpu_metrics_come_from_nvidia_smi_where_a_gpu_is_present(tmp_path):
+    """The collector runs where `nvidia-smi` exists; here a stand-in prints what it prints."""
+    from serving.metrics import GpuCollector
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '0, 37, 1024, 81559'\necho '1, [N/A], 0, 81559'\n")
+    fake.chmod(0o755)
+    collector = GpuCollector()
+    collector.QUERY = [str(fake)]
+    families = {family.name: family.samples for family in collector.collect()}
+    assert [(s.labels["gpu"], s.value) for s in families["kiln_gpu_utilization_ratio"]] == [("0", 0.37)]
+    assert families["kiln_gpu_memory_used_bytes"][0].value == 1024 * 2**20
+
+
+def test_a_version_whose_backend_cannot_run_here_is_refused_naming_it(tmp_path, engine_dir, caplog):
+    """A TensorRT engine registered from a GPU machine, promoted, then served on this CPU one."""
+    import shutil
+
+    from components.files import file_sha256
+
+    trt_dir = tmp_path / "tensorrt-engine"
+    shutil.copytree(engine_dir.path, trt_dir)
+    (trt_dir / "model.onnx").rename(trt_dir / "model.engine")  # stands in for a serialized plan: it is never opened
+    manifest = json.loads((trt_dir / "engine.json").read_text())
+    manifest |= {"backend": "tensorrt", "backend_version": "11.0.0", "target": "sm_90", "engine_file": "model.engine"}
+    manifest["engine_sha256"] = file_sha256(trt_dir / "model.engine")
+    (trt_dir / "engine.json").write_text(json.dumps(manifest))
+    target = RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", MODEL, MODEL, tmp_path / "artifacts")
+    version = register_engine(target, trt_dir, manifest["engine_sha256"], record()).version
+    promote(target, CHAMPION, version=version)
+    app = create_app(AliasSource(target, CHAMPION, tmp_path / "cache"), ServerSettings(poll_interval_s=0))
+    with pytest.raises(RuntimeError, match="cannot be served: .*tensorrt"):
+        LiveServer(app).__enter__()
+    assert "refused" in str(app.state.startup_error)

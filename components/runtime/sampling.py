@@ -34,3 +34,13 @@ def _nucleus(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> int:
     keep = order[: int(np.searchsorted(cumulative, top_p) + 1)]
     kept = probs[keep] / probs[keep].sum()
     return int(keep[rng.choice(len(keep), p=kept)])
+
+
+def pick_each(logits: np.ndarray, samplings: list[Sampling], rngs: list[np.random.Generator]) -> np.ndarray:
+    """Row i of a batch picked with its own `samplings[i]` and `rngs[i]` (continuous
+    batching mixes requests); greedy rows are picked together in one argmax."""
+    picked = logits.argmax(-1).astype(np.int64)
+    for row, (sampling, rng) in enumerate(zip(samplings, rngs, strict=True)):
+        if sampling.temperature > 0:
+            picked[row] = pick_next(logits[row : row + 1], sampling, rng)[0]
+    return picked

@@ -72,11 +72,12 @@ class TrtEngine(Engine):
     CONTEXT, GENERATION = 0, 1
 
     def __init__(self, engine_dir: EngineDir) -> None:
+        super().__init__(engine_dir)
+        # First what this machine has (BackendUnavailable naming it), then the imports.
+        check_compatible(self.manifest, tensorrt_version(), gpu_target())
         import tensorrt as trt
         from polygraphy import cuda
 
-        super().__init__(engine_dir)
-        check_compatible(self.manifest, tensorrt_version(), gpu_target())
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self._engine = runtime.deserialize_cuda_engine(engine_dir.engine_file.read_bytes())
         if self._engine is None:
