@@ -169,12 +169,13 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], setup: 
             if response.status_code != 200:
                 await response.aread()
                 return _Sample(time.perf_counter() - started, 0.0, 0, False)
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
+            tail = b""
+            async for piece in response.aiter_raw():  # raw bytes: the client's own CPU stays small
                 first = first or time.perf_counter()
-                if '"usage"' in line:  # only the last chunk is parsed: the client's work stays small
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                tail = (tail + piece)[-512:]
+            usage = tail.rfind(b'"usage": ')
+            if usage >= 0:  # only the last chunk carries usage
+                tokens = json.loads(tail[usage + 9 :].split(b"}", 1)[0] + b"}")["completion_tokens"]
     except httpx.HTTPError:
         return _Sample(time.perf_counter() - started, 0.0, 0, False)
     return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, tokens, tokens == setup.new_tokens)

@@ -60,9 +60,6 @@ class Submitted:
     sequences: list[Sequence]
     events: asyncio.Queue
     started: float
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    tokens: int = 0
     done: set[int] = field(default_factory=set)
 
     def cancel(self) -> None:
@@ -112,7 +109,8 @@ def submit(request: CompletionRequest, served: ServedEngine, started: float, mai
             raise ApiError(400, f"prompt {index} encodes to no tokens", param="prompt")
         if max(ids) >= vocab:
             raise ApiError(400, f"prompt {index} has token id {max(ids)}; the model's vocabulary has {vocab}", param="prompt")
-        sequences.append(Sequence(ids, sampling, TextStream(served.tokenizer.decode, request.stops), _emitter(mailbox, events, index)))
+        text = TextStream(served.tokenizer.stream_decoder(), request.stops)
+        sequences.append(Sequence(ids, sampling, text, _emitter(mailbox, events, index), stream=request.stream))
     try:
         served.scheduler.submit(sequences)
     except ShapeOutOfProfile as err:
@@ -136,10 +134,6 @@ async def events_of(job: Submitted) -> AsyncIterator[tuple[int, Event]]:
     """Every event of the request, in order, until each of its sequences has ended."""
     while len(job.done) < len(job.sequences):
         index, event = await job.events.get()
-        if isinstance(event, Delta) and event.tokens:
-            now = time.perf_counter()
-            job.first_token_at = job.first_token_at or now
-            job.last_token_at, job.tokens = now, job.tokens + event.tokens
         if isinstance(event, Finished | Failed):
             job.done.add(index)
         if isinstance(event, Failed):
@@ -148,14 +142,13 @@ async def events_of(job: Submitted) -> AsyncIterator[tuple[int, Event]]:
 
 
 async def complete(served: ServedEngine, job: Submitted) -> Completion:
-    texts = [""] * len(job.sequences)
+    """The whole answer once every sequence has ended (its text is then final: the
+    scheduler sends no deltas for a request that does not stream)."""
     finished: dict[int, Finished] = {}
     async for index, event in events_of(job):
-        if isinstance(event, Delta):
-            texts[index] += event.text
-        else:
+        if isinstance(event, Finished):
             finished[index] = event
-    choices = [Choice(index=i, text=texts[i], finish_reason=finished[i].reason) for i in range(len(texts))]
+    choices = [Choice(index=i, text=seq.text.text, finish_reason=finished[i].reason) for i, seq in enumerate(job.sequences)]
     return Completion(id=job_id(), created=int(time.time()), model=served.model, choices=choices, usage=usage_of(finished.values()))
 
 
@@ -198,16 +191,17 @@ def usage_of(finished) -> Usage:
 
 
 def observe(job: Submitted, metrics: ServerMetrics, outcome: str) -> None:
-    """A finished request's times and counts."""
+    """A finished request's times and counts (token times as the scheduler saw them)."""
     now = time.perf_counter()
     metrics.requests.labels(outcome).inc()
     metrics.request_duration.observe(now - job.started)
     metrics.prompt_tokens.inc(sum(len(s.prompt) for s in job.sequences))
-    metrics.generated_tokens.inc(job.tokens)
-    if job.first_token_at is not None:
-        metrics.time_to_first_token.observe(job.first_token_at - job.started)
-        if job.tokens > 1:
-            metrics.time_per_output_token.observe((job.last_token_at - job.first_token_at) / (job.tokens - 1))
+    metrics.generated_tokens.inc(sum(len(s.generated) for s in job.sequences))
+    for seq in job.sequences:
+        if seq.first_token_at is not None:
+            metrics.time_to_first_token.observe(seq.first_token_at - job.started)
+            if len(seq.generated) > 1:
+                metrics.time_per_output_token.observe((seq.last_token_at - seq.first_token_at) / (len(seq.generated) - 1))
 
 
 def model_list(served: ServedEngine, alias: str | None) -> ModelList:

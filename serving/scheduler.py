@@ -13,6 +13,7 @@ tokens and text reach its client as its steps complete, through `Sequence.emit`.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,10 +36,9 @@ class SchedulerClosed(KilnError):
 
 @dataclass(frozen=True)
 class Delta:
-    """New text for the client, and how many tokens produced it."""
+    """New text for a streaming client (empty when a token released none yet)."""
 
     text: str
-    tokens: int
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,11 @@ class Sequence:
     sampling: Sampling
     text: TextStream
     emit: Callable[[Event], None]
+    stream: bool = True  # False: no Delta events, the text is read from `text` once Finished
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False  # set by the client's side when it disconnects
+    first_token_at: float | None = None  # perf_counter, for time-to-first-token
+    last_token_at: float | None = None
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -205,8 +208,8 @@ class Scheduler:
             if reason:
                 done.append(row)
                 rest = seq.text.finish()
-                if rest:
-                    seq.emit(Delta(rest, 0))
+                if rest and seq.stream:
+                    seq.emit(Delta(rest))
                 seq.emit(Finished(reason, len(seq.prompt), len(seq.generated)))
         self._retire(done)
 
@@ -215,7 +218,11 @@ class Scheduler:
         if seq.sampling.stop_at_eos and token == self.engine.manifest.eos_token_id:
             return "stop"
         seq.generated.append(token)
-        seq.emit(Delta(seq.text.add(token), 1))
+        seq.last_token_at = time.perf_counter()
+        seq.first_token_at = seq.first_token_at or seq.last_token_at
+        delta = seq.text.add(token)
+        if seq.stream:
+            seq.emit(Delta(delta))
         if seq.text.stopped:
             return "stop"
         if len(seq.generated) >= seq.sampling.max_new_tokens:

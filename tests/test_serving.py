@@ -233,14 +233,23 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_server_answering(server
         assert completion(client, prompt="x", max_tokens=2).status_code == 200
 
 
-def test_the_batch_never_exceeds_the_engines_profile_and_the_rest_wait(engine, tokenizer):
+@pytest.fixture()
+def own_engine(engine_dir):
+    """An engine a scheduler may own (and close), not the session's shared one."""
+    from components.runtime import load_engine
+
+    return load_engine(engine_dir.path)
+
+
+def test_the_batch_never_exceeds_the_engines_profile_and_the_rest_wait(own_engine, tokenizer):
+    engine = own_engine
     from serving.scheduler import Finished, Scheduler, Sequence
     from serving.text import TextStream
 
     batches, finished = [], threading.Semaphore(0)
     scheduler = Scheduler(engine, max_waiting=32, observe=lambda running, waiting, decoded: batches.append((running, waiting)))
     emit = lambda event: finished.release() if isinstance(event, Finished) else None  # noqa: E731
-    sequences = [Sequence(tokenizer.encode(f"The list {i}"), Sampling(max_new_tokens=6, stop_at_eos=False), TextStream(tokenizer.decode), emit) for i in range(20)]
+    sequences = [Sequence(tokenizer.encode(f"The list {i}"), Sampling(max_new_tokens=6, stop_at_eos=False), TextStream(tokenizer.stream_decoder()), emit) for i in range(20)]
     scheduler.submit(sequences)
     for _ in sequences:
         assert finished.acquire(timeout=30)
@@ -251,13 +260,13 @@ def test_the_batch_never_exceeds_the_engines_profile_and_the_rest_wait(engine, t
     assert scheduler.close(timeout=5)
 
 
-def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(engine, tokenizer):
+def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(own_engine, tokenizer):
     """What a disconnect does (the server marks the client's sequences cancelled): the slot
     is free at once, not after max_tokens."""
     from serving.scheduler import Delta, Finished, Scheduler, Sequence
     from serving.text import TextStream
 
-    scheduler = Scheduler(engine, max_waiting=4)
+    scheduler = Scheduler(own_engine, max_waiting=4)
     events, gone = [], threading.Event()
 
     def emit(event) -> None:
@@ -266,7 +275,7 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(engine, tokenize
             sequence.cancelled = True
             gone.set()
 
-    sequence = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=120, stop_at_eos=False), TextStream(tokenizer.decode), emit)
+    sequence = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=120, stop_at_eos=False), TextStream(tokenizer.stream_decoder()), emit)
     scheduler.submit([sequence])
     assert gone.wait(10)
     deadline = time.monotonic() + 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -16,3 +17,12 @@ class EngineTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids)
+
+    def stream_decoder(self) -> Callable[[int], str | None]:
+        """Text one token at a time, as `decode` would give it for the whole sequence:
+        `tokenizers`' DecodeStream keeps the pending bytes of a character split over
+        tokens (None until it is complete), at constant cost per token."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda token: stream.step(self._tokenizer, token)
