@@ -8,8 +8,10 @@ STAMP  := $(VENV)/.installed
 run: $(STAMP)
 	$(VENV)/bin/kiln run
 
+# Two workers, a test file each at a time (module fixtures such as `kiln up` stay shared
+# within a file): the suite waits on servers and subprocesses as much as it computes.
 test: $(STAMP)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 # torch is pinned to the CPU build (requirements.txt); kiln itself installs without deps
 # so pip cannot swap that pin for a CUDA build.
