@@ -72,7 +72,12 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
         api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=webhook_secret(root), webhook_max_age_s=config.webhook_max_age_s,
         runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting),
     )  # fmt: skip
-    serve(source, settings, host or config.host, port or config.port)
+    host = host or config.host
+    if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        from flows import render
+
+        render.note(f"serving on {host} with no {API_KEY_ENV}: anyone who reaches this port can use the model")
+    serve(source, settings, host, port or config.port)
 
 
 def promoted_engine(root: Path, params: Params) -> tuple[str, Path]:

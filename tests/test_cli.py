@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from components.config import ServingParams, load_params
 from flows.cli import app
 
 from .conftest import make_project, tiny_params
+from .live_server import free_port
 
 KILN = str(Path(sys.executable).parent / "kiln")
 VERBS = ["run", "build", "gate", "promote", "doctor", "up"]
@@ -99,12 +99,6 @@ def test_an_unreachable_tracking_uri_exits_2_before_any_training(tmp_path):
 
 
 # ---------------------------------------------------------------- a project under `kiln up`, as a user works
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def answers(url: str) -> bool:

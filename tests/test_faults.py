@@ -74,6 +74,13 @@ def test_the_loader_refuses_a_tampered_copy_in_its_own_cache(registry_target, en
         loader.pull_version(registry_target, version, tmp_path / "cache")
 
 
+def test_the_loader_refuses_a_version_with_no_engine_sha256_tag_naming_it(registry_target, engine_dir, tmp_path):
+    version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
+    MlflowClient(registry_target.tracking_uri).delete_model_version_tag(registry_target.model_name, version, "engine_sha256")
+    with pytest.raises(VersionRefused, match=f"kiln-test version {version} is refused: it has no engine_sha256 tag"):
+        loader.pull_version(registry_target, version, tmp_path / "cache")
+
+
 def test_promote_refuses_a_version_whose_artifacts_are_gone(registry_target, engine_dir):
     import shutil
 
