@@ -58,6 +58,29 @@ def test_registering_the_same_engine_twice_creates_no_second_version(registry_ta
     assert find_version_by_sha256(registry_target, engine_dir.sha256).version == first.version
 
 
+def test_when_two_registrations_of_one_engine_interleave_the_oldest_version_stays(registry_target, engine_dir):
+    """On a tracking server (no file lock) two processes can each create a version of one
+    engine before either sees the other's; the later one deletes its own version, ends its
+    run FAILED and reports the older version as not created. The embedded store's lock keeps
+    this from happening in a real race here, so the step is driven directly."""
+    from registry import Registration
+    from registry.store import _keep_oldest_twin
+
+    first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
+    promote(registry_target, CHALLENGER, version=first.version)
+    client = MlflowClient(registry_target.tracking_uri)
+    run_id = client.create_run(client.get_experiment_by_name(registry_target.experiment).experiment_id).info.run_id
+    source = client.get_model_version(registry_target.model_name, first.version).source
+    twin = client.create_model_version(registry_target.model_name, source, run_id=run_id, tags={"engine_sha256": engine_dir.sha256}).version
+
+    kept = _keep_oldest_twin(client, registry_target, engine_dir.sha256, twin, run_id)
+    assert kept == Registration(registry_target.model_name, first.version, first.run_id, created=False, aliases=(CHALLENGER,))
+    assert [str(v.version) for v in versions(registry_target)] == [first.version]
+    assert client.get_run(run_id).info.status == "FAILED"
+    alone = _keep_oldest_twin(client, registry_target, engine_dir.sha256, first.version, first.run_id)  # no twin: kept as created
+    assert alone == Registration(registry_target.model_name, first.version, first.run_id, created=True, aliases=())
+
+
 def test_a_failing_engine_is_registered_but_never_aliased(registry_target, engine_dir):
     registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
     assert registration.created and registration.aliases == ()
@@ -86,9 +109,17 @@ def test_promote_points_champion_at_the_challenger(registry_target, engine_dir):
 
 def test_a_downloaded_version_is_the_engine_that_was_registered(registry_target, engine_dir, tmp_path):
     registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
-    local = download_version(registry_target, registration.version, tmp_path / "download")
+    stored = MlflowClient(registry_target.tracking_uri).get_model_version(registry_target.model_name, registration.version).source
+    assert Path(stored.removeprefix("file://")).is_relative_to(registry_target.artifact_root.resolve())  # not ./mlruns of the cwd
+    destination = tmp_path / "not" / "yet" / "there"
+    destination.mkdir(parents=True)
+    (destination / "stale.txt").write_text("left by an earlier, interrupted download")
+    local = download_version(registry_target, registration.version, destination)
+    assert local.is_relative_to(destination) and not (destination / "stale.txt").exists()
     assert file_sha256(local / "model.onnx") == engine_dir.sha256
     assert (local / "engine.json").read_text() == (engine_dir.path / "engine.json").read_text()
+    fresh = download_version(registry_target, registration.version, tmp_path / "a" / "b" / "c")  # parents made
+    assert file_sha256(fresh / "model.onnx") == engine_dir.sha256
 
 
 def test_a_failure_mid_registration_leaves_no_version_and_no_alias(registry_target, engine_dir, tmp_path):
