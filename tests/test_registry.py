@@ -56,6 +56,9 @@ def test_registering_the_same_engine_twice_creates_no_second_version(registry_ta
     assert not second.created and second.version == first.version
     assert len(versions(registry_target)) == 1
     assert find_version_by_sha256(registry_target, engine_dir.sha256).version == first.version
+    client = MlflowClient(registry_target.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name(registry_target.experiment).experiment_id])
+    assert len(runs) == 1  # found before any work: no second run, not even a FAILED one
 
 
 def test_when_two_registrations_of_one_engine_interleave_the_oldest_version_stays(registry_target, engine_dir):
@@ -92,7 +95,7 @@ def test_a_failing_engine_is_registered_but_never_aliased(registry_target, engin
 
 def test_promote_refuses_a_version_whose_gates_failed(registry_target, engine_dir):
     registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
-    with pytest.raises(RegistryError, match="did not pass its gates"):
+    with pytest.raises(RegistryError, match="did not pass its gates \\(gates.passed tag 'false'\\)"):
         promote(registry_target, CHAMPION, version=registration.version)
     with pytest.raises(RegistryError):
         resolve_alias(registry_target, CHAMPION)
