@@ -191,11 +191,14 @@ def test_a_stop_string_ends_the_text_before_it(server):
 
 def test_concurrent_requests_share_decode_steps_and_each_gets_its_own_answer(server, engine, tokenizer):
     prompts = [f"{word} is" for word in ("The list", "A class", "Importing", "def", "The for", "Raise", "With", "Return", "Yield", "Assert", "The if", "Lambda")]
-    lengths = [8 + (i % 4) * 6 for i in range(len(prompts))]  # they finish at different steps
+    lengths = [30 + (i % 4) * 10 for i in range(len(prompts))]  # they finish at different steps
     before = metrics_of(server)
+    together = threading.Barrier(len(prompts))  # connections open first, then all ask at once
 
     def ask(i: int) -> str:
         with server.client() as client:
+            client.get("/healthz")
+            together.wait()
             return completion(client, prompt=prompts[i], max_tokens=lengths[i], temperature=0).json()["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
