@@ -116,14 +116,16 @@ def submit(request: CompletionRequest, served: ServedEngine, started: float, mai
     except ShapeOutOfProfile as err:
         raise ApiError(400, str(err), param="max_tokens" if "max_tokens" in str(err) else "prompt", code="context_length_exceeded") from None
     except QueueFull as err:
-        busy = ApiError(503, f"the server is busy: {err}; retry shortly", type="server_busy", code="queue_full")
-        busy.headers["Retry-After"] = "1"
-        raise busy from None
+        raise _busy(f"the server is busy: {err}; retry shortly", "queue_full") from None
     except SchedulerClosed as err:
-        closed = ApiError(503, f"the engine is being swapped: {err}; retry", type="server_busy", code="engine_swapping")
-        closed.headers["Retry-After"] = "1"
-        raise closed from None
+        raise _busy(f"the engine is being swapped: {err}; retry", "engine_swapping") from None
     return Submitted(sequences, events, started)
+
+
+def _busy(message: str, code: str) -> ApiError:
+    busy = ApiError(503, message, type="server_busy", code=code)
+    busy.headers["Retry-After"] = "1"
+    return busy
 
 
 def _emitter(mailbox: Mailbox, events: asyncio.Queue, index: int):

@@ -4,11 +4,11 @@ development and benchmarks; checked against its own engine.json, no registry, no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from components.engine_dir import load_engine_dir
+from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import EngineError, RegistryError, VersionRefused
 from registry import RegistryTarget, VersionInfo, resolve_alias
 from serving.loader import PulledVersion, prune, pull
@@ -56,12 +56,14 @@ class AliasSource:
         prune(self.cache_root, self.target.model_name, self.keep_versions, in_use)
 
 
-@dataclass(frozen=True)
+@dataclass
 class LocalSource:
     """One engine directory, served as it is; its version is `local-<sha256 prefix>`."""
 
     path: Path
     alias: None = None
+    # What `resolve` verified (hashing the engine file), so that `pull` does not hash it again.
+    _verified: EngineDir | None = field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:
@@ -72,12 +74,15 @@ class LocalSource:
 
     def resolve(self) -> VersionInfo:
         try:
-            engine_dir = load_engine_dir(self.path)
+            self._verified = load_engine_dir(self.path)
         except EngineError as err:
             raise RegistryError(f"{self.path} is not a servable engine directory: {err}") from err
-        return VersionInfo(self.model_name, f"local-{engine_dir.sha256[:12]}", {"engine_sha256": engine_dir.sha256}, (), None)
+        sha256 = self._verified.sha256
+        return VersionInfo(self.model_name, _local_version(sha256), {"engine_sha256": sha256}, (), None)
 
     def pull(self, info: VersionInfo) -> PulledVersion:
+        if self._verified is not None and _local_version(self._verified.sha256) == info.version:
+            return PulledVersion(info, self._verified)
         try:
             return PulledVersion(info, load_engine_dir(self.path))
         except EngineError as err:
@@ -85,3 +90,7 @@ class LocalSource:
 
     def forget(self, in_use: set[str]) -> None:
         """Nothing was copied."""
+
+
+def _local_version(sha256: str) -> str:
+    return f"local-{sha256[:12]}"
