@@ -11,6 +11,7 @@ from components.engine_dir import load_engine_dir
 from components.errors import EngineError, ShapeOutOfProfile
 from components.files import file_sha256
 from components.runtime import load_engine
+from components.runtime.engine import DecodeState, left_pad
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 
@@ -45,6 +46,43 @@ def test_a_left_padded_batch_generates_what_each_prompt_does_alone(engine, engin
     greedy = Sampling(max_new_tokens=6, stop_at_eos=False)
     together = engine.generate(prompts, greedy)
     assert together == [engine.generate([p], greedy)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("first", ["long", "short"])
+def test_a_row_that_joins_or_leaves_a_running_batch_decodes_as_it_would_alone(engine, engine_dir, first):
+    """Continuous batching's cache surgery: a prompt joins a batch that has decoded for a
+    while (either side the shorter), then the other leaves; each gets its greedy tokens."""
+    tokenizer = EngineTokenizer(engine_dir.path)
+    prompts = {"long": tokenizer.encode("A function that returns the value of"), "short": tokenizer.encode("The")}
+    second = "short" if first == "long" else "long"
+    eos = engine.manifest.eos_token_id
+    got: dict[str, list[int]] = {first: [], second: []}
+
+    def prefilled(name: str) -> tuple[np.ndarray, DecodeState]:
+        logits, state = engine.prefill(*left_pad([prompts[name]], eos))
+        return logits[:, -1].argmax(-1), state
+
+    def step(state: DecodeState, next_ids: np.ndarray, names: list[str]) -> tuple[np.ndarray, DecodeState]:
+        for name, token in zip(names, next_ids.tolist(), strict=True):
+            got[name].append(token)
+        logits, state = engine.decode(state, next_ids)
+        return logits.argmax(-1), state
+
+    next_ids, state = prefilled(first)
+    for _ in range(2):
+        next_ids, state = step(state, next_ids, [first])
+    joining_ids, joining = prefilled(second)
+    next_ids, state = np.concatenate([next_ids, joining_ids]), state.joined(joining)
+    for _ in range(3):
+        next_ids, state = step(state, next_ids, [first, second])
+    got[first].append(int(next_ids[0]))
+    next_ids, state = next_ids[[1]], state.rows([1])
+    assert state.past_length == len(prompts[second]) + 3  # the columns only `first` attended to are gone
+    for _ in range(2):
+        next_ids, state = step(state, next_ids, [second])
+    got[second].append(int(next_ids[0]))
+    greedy = Sampling(max_new_tokens=6, stop_at_eos=False)
+    assert got == {name: engine.generate([prompt], greedy)[0] for name, prompt in prompts.items()}
 
 
 def test_sampling_is_reproducible_for_a_seed(engine, engine_dir):

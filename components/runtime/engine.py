@@ -36,28 +36,33 @@ class DecodeState:
     def joined(self, other: DecodeState) -> DecodeState:
         """This batch's rows followed by `other`'s, the shorter side padded on the left."""
         width = max(self.past_length, other.past_length)
-        a, b = self._widened(width), other._widened(width)
         return DecodeState(
-            [np.concatenate(pair) for pair in zip(a.cache, b.cache, strict=True)],
-            np.concatenate([a.attention_mask, b.attention_mask]),
-            np.concatenate([a.last_position, b.last_position]),
+            [_stacked_right_aligned(a, b, width, axis=2) for a, b in zip(self.cache, other.cache, strict=True)],
+            _stacked_right_aligned(self.attention_mask, other.attention_mask, width, axis=1),
+            np.concatenate([self.last_position, other.last_position]),
         )
 
     def rows(self, keep: list[int]) -> DecodeState:
         """Only the rows `keep`, without the leading columns no remaining row attends to."""
         mask = self.attention_mask[keep]
         start = int(np.argmax(mask.any(axis=0))) if mask.size else self.past_length
-        return DecodeState([c[keep][:, :, start:] for c in self.cache], mask[:, start:], self.last_position[keep])
+        # One indexing expression per tensor: a contiguous copy of just the kept part (the
+        # runtime would copy a strided view again before the next step).
+        return DecodeState([c[keep, :, start:] for c in self.cache], mask[:, start:], self.last_position[keep])
 
-    def _widened(self, width: int) -> DecodeState:
-        pad = width - self.past_length
-        if pad == 0:
-            return self
-        return DecodeState(
-            [np.pad(c, ((0, 0), (0, 0), (pad, 0), (0, 0))) for c in self.cache],
-            np.pad(self.attention_mask, ((0, 0), (pad, 0))),
-            self.last_position,
-        )
+
+def _stacked_right_aligned(top: np.ndarray, bottom: np.ndarray, width: int, axis: int) -> np.ndarray:
+    """`top`'s rows over `bottom`'s, each right-aligned in `width` along `axis`, zeros to the
+    left: one allocation and one copy of each (a join runs between decode steps, on the
+    server's hot path; np.pad then np.concatenate copied every cache twice)."""
+    shape = list(top.shape)
+    shape[0], shape[axis] = len(top) + len(bottom), width
+    out = np.zeros(shape, top.dtype)
+    for rows, part in ((slice(0, len(top)), top), (slice(len(top), None), bottom)):
+        region = [rows] + [slice(None)] * (top.ndim - 1)
+        region[axis] = slice(width - part.shape[axis], None)
+        out[tuple(region)] = part
+    return out
 
 
 class Engine(ABC):
