@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from components.errors import EngineError
-from components.files import file_sha256
+from components.files import file_sha256, text_sha256
 
 MANIFEST = "engine.json"
 FORMAT_VERSION = 1
@@ -81,6 +81,13 @@ class EngineManifest(_Frozen):
     @property
     def past_names(self) -> list[str]:
         return self.inputs[3:]
+
+    @property
+    def profiles_sha256(self) -> str:
+        """The shapes the engine accepts, as a digest: with `engine_sha256` it names an engine
+        in the registry (an ONNX Runtime engine rebuilt with a larger batch profile has the
+        same file but serves differently)."""
+        return text_sha256(json.dumps({name: p.model_dump(mode="json") for name, p in self.profiles.items()}, sort_keys=True))
 
 
 @dataclass(frozen=True)

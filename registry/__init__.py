@@ -1,5 +1,6 @@
 """Everything MLflow: records, register, tag, alias, resolve, download. The only package
-that imports mlflow; of kiln's components it knows nothing but errors."""
+that imports mlflow; of kiln's components it knows only contracts: errors, files and the
+engine directory."""
 
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
 from registry.store import (
@@ -7,7 +8,8 @@ from registry.store import (
     CHAMPION,
     aliases_of,
     download_version,
-    find_version_by_sha256,
+    engine_identity,
+    find_version,
     get_version,
     preflight,
     promote,
@@ -27,7 +29,8 @@ __all__ = [
     "VersionInfo",
     "aliases_of",
     "download_version",
-    "find_version_by_sha256",
+    "engine_identity",
+    "find_version",
     "get_version",
     "preflight",
     "promote",

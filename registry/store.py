@@ -2,8 +2,9 @@
 
 One engine is one model version, its source the engine directory logged as a run artifact
 (`create_model_version`: in MLflow 3, `register_model("runs:/…")` wants a logged model).
-Registration is idempotent by the `engine_sha256` tag and all-or-nothing: a failure after
-the version exists deletes it again, so no half-registered version is left behind.
+Registration is idempotent by the engine's identity (its file's sha256 and the profiles it
+accepts, both version tags) and all-or-nothing: a failure after the version exists deletes
+it again, so no half-registered version is left behind.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from components.engine_dir import MANIFEST, EngineManifest
 from components.errors import RegistryError
 from components.files import exclusive_lock, process_alive
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
@@ -71,13 +73,25 @@ def _experiment_id(client, target: RegistryTarget) -> str:
     return client.create_experiment(target.experiment, artifact_location=location)
 
 
-def find_version_by_sha256(target: RegistryTarget, sha256: str) -> VersionInfo | None:
-    """The version already registered for this engine file, if any."""
+def engine_identity(engine_dir: Path, engine_sha256: str) -> dict[str, str]:
+    """The tags that name one engine in the registry: the engine file's sha256 and the
+    digest of the shapes it accepts (a rebuild with a larger batch profile can leave an
+    ONNX Runtime engine file byte-identical, yet it serves differently)."""
+    try:
+        manifest = EngineManifest.model_validate_json((engine_dir / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        raise RegistryError(f"cannot read {engine_dir / MANIFEST} to register the engine: {err}") from err
+    return {"engine_sha256": engine_sha256, "profiles_sha256": manifest.profiles_sha256}
+
+
+def find_version(target: RegistryTarget, identity: dict[str, str]) -> VersionInfo | None:
+    """The version already registered for this engine (`engine_identity`), if any."""
     from mlflow.exceptions import MlflowException
 
     client = _client(target)
+    query = " and ".join([f"name='{target.model_name}'"] + [f"tags.{tag}='{value}'" for tag, value in identity.items()])
     try:
-        versions = client.search_model_versions(f"name='{target.model_name}' and tags.engine_sha256='{sha256}'")
+        versions = client.search_model_versions(query)
     except MlflowException as err:
         raise RegistryError(f"cannot search the registry at {target.tracking_uri}: {err.message}") from err
     if not versions:
@@ -95,7 +109,7 @@ def _version_info(client, name: str, version: str) -> VersionInfo:
 def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str, record: RunRecord) -> Registration:
     """Log a run and create the model version (no alias: see `promote`).
 
-    Idempotent by the `engine_sha256` tag and all-or-nothing: a failure (or SIGTERM) after
+    Idempotent by `engine_identity` and all-or-nothing: a failure (or SIGTERM) after
     the run or version exists rolls both back, and a registration killed outright is
     cleaned up by the next one (`_end_abandoned_runs`). Concurrent registrations of one
     model are serialised (`store_lock`), and one that still finds a twin afterwards
@@ -103,10 +117,11 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
     """
     from mlflow.exceptions import MlflowException
 
+    identity = engine_identity(engine_dir, engine_sha256)
     client = _client(target)
     with store_lock(target):
         _end_abandoned_runs(client, target)
-        existing = find_version_by_sha256(target, engine_sha256)
+        existing = find_version(target, identity)
         if existing is not None:
             return Registration(target.model_name, existing.version, existing.run_id, created=False, aliases=existing.aliases)
         run_id = None
@@ -116,7 +131,7 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
             _ensure_registered_model(client, target.model_name)
             source = f"{client.get_run(run_id).info.artifact_uri}/{ENGINE_ARTIFACT}"
             version = client.create_model_version(
-                target.model_name, source=source, run_id=run_id, tags=record.version_tags | {"engine_sha256": engine_sha256}
+                target.model_name, source=source, run_id=run_id, tags=record.version_tags | identity
             ).version
             client.set_terminated(run_id, "FINISHED")
         except (MlflowException, OSError) as err:
@@ -126,7 +141,7 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
         except BaseException:  # KeyboardInterrupt, SystemExit from SIGTERM
             _roll_back(client, target.model_name, run_id, "KILLED")
             raise
-    return _keep_oldest_twin(client, target, engine_sha256, str(version), run_id)
+    return _keep_oldest_twin(client, target, identity, str(version), run_id)
 
 
 @contextmanager
@@ -163,10 +178,10 @@ def _end_abandoned_runs(client, target: RegistryTarget) -> None:
             _roll_back(client, target.model_name, run.info.run_id, "KILLED")
 
 
-def _keep_oldest_twin(client, target: RegistryTarget, engine_sha256: str, version: str, run_id: str) -> Registration:
+def _keep_oldest_twin(client, target: RegistryTarget, identity: dict[str, str], version: str, run_id: str) -> Registration:
     """If another process registered the same engine meanwhile, the oldest version stays and
     this one is deleted: one engine is one version whatever the interleaving."""
-    oldest = find_version_by_sha256(target, engine_sha256)
+    oldest = find_version(target, identity)
     if oldest is not None and oldest.version != version:
         _roll_back(client, target.model_name, run_id, "FAILED")
         return Registration(target.model_name, oldest.version, oldest.run_id, created=False, aliases=oldest.aliases)

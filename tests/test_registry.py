@@ -1,6 +1,7 @@
 """The MLflow registry on a temporary SQLite store: versions, tags, aliases, downloads."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ from registry import (
     RunRecord,
     aliases_of,
     download_version,
-    find_version_by_sha256,
+    engine_identity,
+    find_version,
+    get_version,
     preflight,
     promote,
     register_engine,
@@ -55,10 +58,28 @@ def test_registering_the_same_engine_twice_creates_no_second_version(registry_ta
     second = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
     assert not second.created and second.version == first.version
     assert len(versions(registry_target)) == 1
-    assert find_version_by_sha256(registry_target, engine_dir.sha256).version == first.version
+    assert find_version(registry_target, engine_identity(engine_dir.path, engine_dir.sha256)).version == first.version
     client = MlflowClient(registry_target.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name(registry_target.experiment).experiment_id])
     assert len(runs) == 1  # found before any work: no second run, not even a FAILED one
+
+
+def test_the_same_engine_file_with_another_batch_profile_is_a_new_version(registry_target, engine_dir, tmp_path):
+    """An ONNX Runtime engine rebuilt with a larger batch profile keeps its file byte for
+    byte; registering it must not answer "unchanged" with the old version, whose engine.json
+    would keep the server at the old batch."""
+    first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
+    wider = tmp_path / "wider"
+    shutil.copytree(engine_dir.path, wider)
+    manifest = json.loads((wider / "engine.json").read_text())
+    for phase in manifest["profiles"].values():
+        phase["batch"]["max"] *= 2
+    (wider / "engine.json").write_text(json.dumps(manifest))
+    second = register_engine(registry_target, wider, engine_dir.sha256, record())
+    assert second.created and second.version != first.version
+    profiles = {v: get_version(registry_target, v).tags["profiles_sha256"] for v in (first.version, second.version)}
+    assert profiles[first.version] != profiles[second.version]
+    assert not register_engine(registry_target, wider, engine_dir.sha256, record()).created
 
 
 def test_when_two_registrations_of_one_engine_interleave_the_oldest_version_stays(registry_target, engine_dir):
@@ -74,13 +95,14 @@ def test_when_two_registrations_of_one_engine_interleave_the_oldest_version_stay
     client = MlflowClient(registry_target.tracking_uri)
     run_id = client.create_run(client.get_experiment_by_name(registry_target.experiment).experiment_id).info.run_id
     source = client.get_model_version(registry_target.model_name, first.version).source
-    twin = client.create_model_version(registry_target.model_name, source, run_id=run_id, tags={"engine_sha256": engine_dir.sha256}).version
+    identity = engine_identity(engine_dir.path, engine_dir.sha256)
+    twin = client.create_model_version(registry_target.model_name, source, run_id=run_id, tags=identity).version
 
-    kept = _keep_oldest_twin(client, registry_target, engine_dir.sha256, twin, run_id)
+    kept = _keep_oldest_twin(client, registry_target, identity, twin, run_id)
     assert kept == Registration(registry_target.model_name, first.version, first.run_id, created=False, aliases=(CHALLENGER,))
     assert [str(v.version) for v in versions(registry_target)] == [first.version]
     assert client.get_run(run_id).info.status == "FAILED"
-    alone = _keep_oldest_twin(client, registry_target, engine_dir.sha256, first.version, first.run_id)  # no twin: kept as created
+    alone = _keep_oldest_twin(client, registry_target, identity, first.version, first.run_id)  # no twin: kept as created
     assert alone == Registration(registry_target.model_name, first.version, first.run_id, created=True, aliases=())
 
 
