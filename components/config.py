@@ -130,7 +130,8 @@ class ShapeRange(_Section):
 
 
 class ProfileParams(_Section):
-    batch: ShapeRange = ShapeRange(min=1, opt=1, max=8)
+    # max: the most sequences `kiln serve` decodes together (its continuous batch).
+    batch: ShapeRange = ShapeRange(min=1, opt=1, max=16)
     prompt: ShapeRange = ShapeRange(min=1, opt=32, max=128)
     # Total context (past + new tokens) in the generation phase.
     context: ShapeRange = ShapeRange(min=2, opt=64, max=256)

@@ -2,9 +2,11 @@
 request at a time, on the same engine in the same run.
 
 Each row starts `kiln serve --engine DIR` as its own process (loopback only), waits until
-it is ready, then N clients (asyncio + httpx, streaming so that time to first token is
+it is ready, then N clients (asyncio + aiohttp, streaming so that time to first token is
 seen) send requests back to back for T seconds or until a request budget is spent. The
-clients run in this process and the server in its own, so they share no GIL. Prompts are
+clients run in this process and the server in its own, so they share no GIL; they share
+the CPU, though, so the load generator is aiohttp (as in vLLM's serving benchmark), which
+needs less than half of httpx's CPU time per streamed request here (FACTS.md). Prompts are
 random token ids of a fixed length and `ignore_eos` holds every answer to `new_tokens`,
 so both rows do the same work.
 """
@@ -23,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -143,8 +146,8 @@ def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSet
 
 
 async def _drive(url: str, model: str, prompts: list[list[int]], setup: ServingBenchSetup) -> tuple[list[_Sample], float]:
-    limits = httpx.Limits(max_connections=setup.clients, max_keepalive_connections=setup.clients)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=setup.clients)
+    async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
         await asyncio.gather(*(_one(client, model, prompts[i % len(prompts)], setup) for i in range(setup.clients)))  # warm-up
         samples: list[_Sample] = []
         started = time.perf_counter()
@@ -160,22 +163,22 @@ async def _drive(url: str, model: str, prompts: list[list[int]], setup: ServingB
         return samples, time.perf_counter() - started
 
 
-async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], setup: ServingBenchSetup) -> _Sample:
+async def _one(client: aiohttp.ClientSession, model: str, prompt: list[int], setup: ServingBenchSetup) -> _Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": setup.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     started = time.perf_counter()
     first, tokens = None, 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
+        async with client.post("/v1/completions", json=body) as response:
+            if response.status != 200:
+                await response.read()
                 return _Sample(time.perf_counter() - started, 0.0, 0, False)
             tail = b""
-            async for piece in response.aiter_raw():  # raw bytes: the client's own CPU stays small
+            async for piece in response.content.iter_any():  # raw bytes: the client's own CPU stays small
                 first = first or time.perf_counter()
                 tail = (tail + piece)[-512:]
             usage = tail.rfind(b'"usage": ')
             if usage >= 0:  # only the last chunk carries usage
                 tokens = json.loads(tail[usage + 9 :].split(b"}", 1)[0] + b"}")["completion_tokens"]
-    except httpx.HTTPError:
+    except (aiohttp.ClientError, TimeoutError):
         return _Sample(time.perf_counter() - started, 0.0, 0, False)
     return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, tokens, tokens == setup.new_tokens)
