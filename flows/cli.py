@@ -180,15 +180,58 @@ def promote(
     to_alias: Annotated[str, typer.Option("--to", help="alias to set")] = "champion",
     from_alias: Annotated[str, typer.Option("--from", help="alias whose version to take")] = "challenger",
     version: Annotated[str | None, typer.Option(help="a version number instead of --from")] = None,
+    force: Annotated[bool, typer.Option(help="promote a version whose gates failed (needs --reason; recorded on the version)")] = False,
+    reason: Annotated[str, typer.Option(help="why: recorded with who and when")] = "",
 ) -> None:
-    """Move an alias (default: champion to the current challenger)."""
+    """Move an alias (default: champion to the current challenger); the move is recorded."""
     from registry import promote as promote_version
-    from registry import registry_target
 
     with _one_line_errors():
-        params = _load(params_file)
-        info = promote_version(registry_target(params.registry, Path.cwd()), to_alias, from_alias, version)
-    render.console.print(f"{info.name}@{to_alias} → version {info.version}")
+        target = _registry(params_file)
+        info = promote_version(target, to_alias, from_alias, version, by=_person(), reason=reason, force=force)
+    forced = " [yellow](gates failed: forced, reason recorded)[/]" if info.tags.get("gates.passed") != "true" else ""
+    render.console.print(f"{info.name}@{to_alias} → version {info.version}{forced}")
+
+
+@app.command()
+def rollback(
+    params_file: ParamsOption = Path("params.yaml"),
+    alias: Annotated[str, typer.Option(help="alias to move back")] = "champion",
+    reason: Annotated[str, typer.Option(help="why: recorded with who and when")] = "",
+) -> None:
+    """Move an alias back to the version it named before (a recorded move of its own)."""
+    from registry import rollback as roll_back
+
+    with _one_line_errors():
+        info, replaced = roll_back(_registry(params_file), by=_person(), alias=alias, reason=reason)
+    render.console.print(f"{info.name}@{alias} → version {info.version} (was {replaced})")
+
+
+@app.command()
+def lineage(
+    version: Annotated[str, typer.Argument(help="registered version number")],
+    params_file: ParamsOption = Path("params.yaml"),
+) -> None:
+    """The chain from data version to aliases for one registered version."""
+    from registry import version_lineage
+
+    with _one_line_errors():
+        found = version_lineage(_registry(params_file), version)
+    render.lineage(found)
+
+
+def _registry(params_file: Path):
+    from registry import registry_target
+
+    return registry_target(_load(params_file).registry, Path.cwd())
+
+
+def _person() -> str:
+    """Who moved an alias, as the version and model tags record it."""
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 @app.command()

@@ -111,3 +111,33 @@ def backend_statuses(statuses) -> None:
 
 def _yes_no(flag: bool) -> str:
     return "[green]yes[/]" if flag else "[red]no[/]"
+
+
+def lineage(lineage) -> None:
+    """`kiln lineage`: the chain from the data version to the aliases, as a tree."""
+    from rich.tree import Tree
+
+    info, tag = lineage.info, lineage.tag
+    aliases = " ".join(f"@{a}" for a in info.aliases) or "no alias"
+    root = Tree(f"[bold]{info.name} version {info.version}[/] · {aliases}")
+    data = root.add(f"data version [cyan]{tag('data_md5')}[/]")
+    model = data.add(f"trained model sha256 {tag('source_model_sha256')[:12]}")
+    perplexity = lineage.run_metrics.get("train.eval_perplexity")
+    if perplexity is not None:
+        model.add(f"eval perplexity {perplexity:.2f}")
+    onnx = model.add(f"ONNX sha256 {tag('onnx_sha256')[:12]}")
+    precision_onnx = onnx.add(f"{tag('precision')} ONNX sha256 {tag('precision_onnx_sha256')[:12]} · calibration {tag('calibration_digest')[:12]}")
+    engine = precision_onnx.add(
+        f"engine sha256 [cyan]{tag('engine_sha256')[:12]}[/] · {tag('backend')} {tag('backend_version')} · {tag('target')} · profiles {tag('profiles_sha256')[:12]}"
+    )
+    passed = info.tags.get("gates.passed") == "true"
+    gates = engine.add(f"gates {'[green]passed[/]' if passed else '[red]FAILED[/]'}")
+    for name in sorted(k for k in info.tags if k.startswith("gates.") and k != "gates.passed"):
+        gates.add(f"{name.removeprefix('gates.')} = {info.tags[name]}")
+    if info.tags.get("promotion.forced_reason"):
+        engine.add(f"[yellow]promotion forced[/] by {tag('promotion.forced_by')} at {tag('promotion.forced_at')}: {tag('promotion.forced_reason')}")
+    built = root.add(f"built from git {tag('git_commit')[:12]} with params sha256 {tag('params_sha256')[:12]} · run {info.run_id}")
+    for move in lineage.moves:
+        verb = "became" if move.version == info.version else "stopped being"
+        built.add(f"{move.at} {verb} @{move.alias} (by {move.by}{': ' + move.reason if move.reason else ''})")
+    console.print(root)

@@ -2,6 +2,8 @@
 that imports mlflow; of kiln's components it knows only contracts: errors, files and the
 engine directory."""
 
+from registry.lineage import VersionLineage, version_lineage
+from registry.promotion import AliasMove, alias_history, promote, rollback
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
 from registry.store import (
     CHALLENGER,
@@ -12,7 +14,6 @@ from registry.store import (
     find_version,
     get_version,
     preflight,
-    promote,
     register_alias_webhook,
     register_engine,
     resolve_alias,
@@ -20,6 +21,7 @@ from registry.store import (
 from registry.target import registry_target
 
 __all__ = [
+    "AliasMove",
     "CHALLENGER",
     "CHAMPION",
     "DatasetRecord",
@@ -27,6 +29,8 @@ __all__ = [
     "RegistryTarget",
     "RunRecord",
     "VersionInfo",
+    "VersionLineage",
+    "alias_history",
     "aliases_of",
     "download_version",
     "engine_identity",
@@ -38,4 +42,6 @@ __all__ = [
     "register_engine",
     "registry_target",
     "resolve_alias",
+    "rollback",
+    "version_lineage",
 ]

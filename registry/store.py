@@ -23,7 +23,6 @@ from components.errors import RegistryError
 from components.files import exclusive_lock, process_alive
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
 from registry.target import is_embedded
-from registry.verify import check_gates, verify_download
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -260,27 +259,6 @@ def resolve_alias(target: RegistryTarget, alias: str) -> VersionInfo:
     except MlflowException as err:
         raise RegistryError(f"{target.model_name}@{alias} does not resolve in {target.tracking_uri}: {err.message}") from err
     return _version_info(client, target.model_name, version)
-
-
-def promote(target: RegistryTarget, to_alias: str = CHAMPION, from_alias: str = CHALLENGER, version: str | None = None) -> VersionInfo:
-    """Point `to_alias` at `version` (default: the version `from_alias` names). The flow
-    uses it to set `challenger`, a person (`kiln promote`) to set `champion`.
-
-    Refuses, naming the check, a version whose gates did not pass or whose artifacts are
-    missing or do not match its engine_sha256 tag: kiln never aliases such a version.
-    """
-    from mlflow.exceptions import MlflowException
-
-    client = _client(target)
-    info = resolve_alias(target, from_alias) if version is None else get_version(target, version)
-    check_gates(info)
-    verify_download(info, lambda destination: download_version(target, info.version, destination))
-    try:
-        with store_lock(target):
-            client.set_registered_model_alias(target.model_name, to_alias, info.version)
-    except MlflowException as err:
-        raise RegistryError(f"cannot set {target.model_name}@{to_alias}: {err.message}") from err
-    return _version_info(client, target.model_name, info.version)
 
 
 def aliases_of(target: RegistryTarget) -> dict[str, str]:

@@ -17,9 +17,13 @@ from components.errors import EngineError, RegistryError, VersionRefused
 from registry.records import VersionInfo
 
 
+FORCED_REASON = "promotion.forced_reason"  # set by `kiln promote --force --reason`
+
+
 def check_gates(info: VersionInfo) -> None:
-    """Refuse a version whose gates did not pass: kiln never aliases or serves one."""
-    if info.tags.get("gates.passed") != "true":
+    """Refuse a version whose gates did not pass, unless a person forced its promotion with a
+    recorded reason: kiln never aliases or serves one silently."""
+    if info.tags.get("gates.passed") != "true" and not info.tags.get(FORCED_REASON):
         raise VersionRefused(f"{_name(info)} is refused: it did not pass its gates (gates.passed tag {info.tags.get('gates.passed')!r})")
 
 
