@@ -12,7 +12,7 @@ from components.engine_dir import EngineDir
 from components.export import ExportedOnnx
 from components.gates import GateReport
 from components.model_dir import TrainedModel
-from registry import DatasetRecord, RunRecord
+from registry import DatasetRecord, RunRecord, VersionInfo
 
 
 def version_tags(params: Params, engine: EngineDir, report: GateReport, git_commit: str) -> dict[str, str]:
@@ -44,6 +44,7 @@ def run_record(
     report_dir: Path,
     calibration: CalibrationSet | None,
     git_commit: str,
+    champion: VersionInfo | None = None,
 ) -> RunRecord:
     metrics = dict(report.flat_numbers())
     metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
@@ -62,10 +63,74 @@ def run_record(
         params=_flatten(params.model_dump(mode="json")),
         metrics=metrics,
         version_tags=version_tags(params, engine, report, git_commit),
+        description=version_description(params, model, engine, report, calibration, git_commit, champion),
         artifacts=artifacts,
         step_metrics={"train.loss": list(model.loss_curve)} if model.loss_curve else {},
         datasets=tuple(datasets),
     )
+
+
+def version_description(
+    params: Params,
+    model: TrainedModel,
+    engine: EngineDir,
+    report: GateReport,
+    calibration: CalibrationSet | None,
+    git_commit: str,
+    champion: VersionInfo | None,
+) -> str:
+    """The version page in the MLflow UI (it renders markdown): the gates with their limits,
+    the champion of the moment beside them, and the lineage. The registry adds the run."""
+    m = engine.manifest
+    verdict = "passed" if report.passed else "**FAILED**"
+    lines = [
+        f"**{m.precision} engine** of `{params.registry.model_name}` · {m.backend} {m.backend_version} · `{m.target}` · gates {verdict}",
+        "",
+        "### Gates",
+        "",
+        *report.to_markdown().splitlines()[2:],
+        "",
+        *_champion_section(report, champion),
+        "### Lineage",
+        "",
+        f"- data version `{m.lineage.data_md5}` ({Path(params.data.path).with_suffix('.dvc')})",
+    ]
+    if calibration is not None and m.lineage.calibration_digest:
+        lines.append(f"- calibration set `{calibration.digest[:16]}` ({len(calibration.prompts)} prompts, {calibration.decode_steps} decode steps)")
+    perplexity = f", eval perplexity {model.eval_perplexity:.2f}" if model.eval_perplexity is not None else ""
+    lines += [
+        f"- model sha256 `{model.sha256[:16]}`{perplexity}",
+        f"- ONNX `{m.lineage.onnx_sha256[:16]}` → {m.precision} ONNX `{(m.lineage.precision_onnx_sha256 or m.lineage.onnx_sha256)[:16]}`"
+        f" → engine `{m.engine_sha256[:16]}` (profiles `{m.profiles_sha256[:16]}`)",
+        f"- git commit `{git_commit[:12]}`, params sha256 `{params.digest()[:16]}`",
+        "",
+        "### Reports",
+        "",
+        "The gate report (`gates/report.md`, `gates/report.json`) and the latency plot (`gates/latency.png`) are artifacts of the run below.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _champion_section(report: GateReport, champion: VersionInfo | None) -> list[str]:
+    """This engine's gate numbers beside the champion's, as each version recorded them."""
+    if champion is None:
+        return ["No champion when this version was registered.", ""]
+    rows = []
+    for name, value in report.flat_numbers().items():
+        theirs = champion.tags.get(name)
+        if theirs is None:
+            continue
+        ours, theirs_value = float(f"{value:.6g}"), float(theirs)  # as the tags hold both
+        change = f"{ours - theirs_value:+.4g}" + (f" ({(ours - theirs_value) / abs(theirs_value):+.1%})" if theirs_value else "")
+        rows.append(f"| {name.removeprefix('gates.')} | {ours:.6g} | {theirs_value:.6g} | {change} |")
+    return [
+        f"### Beside the champion (version {champion.version}, at registration)",
+        "",
+        "| measure | this version | champion | change |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:

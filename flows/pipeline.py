@@ -30,7 +30,7 @@ from components.train import model_from_data
 from components.workspace import Workspace
 from flows.caching import CachedStage
 from flows.lineage import git_commit, run_record
-from registry import CHALLENGER, Registration, RegistryTarget, aliases_of, preflight, promote, register_engine, registry_target
+from registry import CHALLENGER, CHAMPION, Registration, RegistryTarget, alias_version, aliases_of, preflight, promote, register_engine, registry_target
 from serving import loader
 
 
@@ -131,7 +131,8 @@ def _engine_for(
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
     report = gated.report
     _publish_report(precision, report)
-    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root))
+    champion = alias_version(target, CHAMPION)
+    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root), champion)
     registration = register(target, engine.path, engine.sha256, record)
     return EngineOutcome(precision, engine, report, registration)
 

@@ -8,6 +8,7 @@ from registry.records import DatasetRecord, Registration, RegistryTarget, RunRec
 from registry.store import (
     CHALLENGER,
     CHAMPION,
+    alias_version,
     aliases_of,
     download_version,
     engine_identity,
@@ -31,6 +32,7 @@ __all__ = [
     "VersionInfo",
     "VersionLineage",
     "alias_history",
+    "alias_version",
     "aliases_of",
     "download_version",
     "engine_identity",

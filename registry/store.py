@@ -130,7 +130,7 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
             _ensure_registered_model(client, target.model_name)
             source = f"{client.get_run(run_id).info.artifact_uri}/{ENGINE_ARTIFACT}"
             version = client.create_model_version(
-                target.model_name, source=source, run_id=run_id, tags=record.version_tags | identity
+                target.model_name, source=source, run_id=run_id, tags=record.version_tags | identity, description=_with_run_link(client, record.description, run_id)
             ).version
             client.set_terminated(run_id, "FINISHED")
         except (MlflowException, OSError) as err:
@@ -154,6 +154,13 @@ def store_lock(target: RegistryTarget) -> Iterator[None]:
         return
     with exclusive_lock(Path(target.tracking_uri.removeprefix("sqlite:///")).with_suffix(".kiln-lock")):
         yield
+
+
+def _with_run_link(client, description: str, run_id: str) -> str:
+    """The version page links to the run that registered it (a fragment link, so it works
+    wherever the UI is served)."""
+    experiment_id = client.get_run(run_id).info.experiment_id
+    return f"{description.rstrip()}\n\nRegistered by [run {run_id[:12]}](#/experiments/{experiment_id}/runs/{run_id}/artifacts).\n"
 
 
 def _create_run(client, target: RegistryTarget, engine_sha256: str) -> str:
@@ -248,6 +255,20 @@ def _roll_back(client, name: str, run_id: str | None, status: str) -> None:
 
 
 # ---------------------------------------------------------------- aliases and downloads
+
+
+def alias_version(target: RegistryTarget, alias: str) -> VersionInfo | None:
+    """The version `alias` names, or None while the model or the alias does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    try:
+        version = client.get_registered_model(target.model_name).aliases.get(alias)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise RegistryError(f"cannot read {target.model_name} in {target.tracking_uri}: {err.message}") from err
+    return None if version is None else _version_info(client, target.model_name, str(version))
 
 
 def resolve_alias(target: RegistryTarget, alias: str) -> VersionInfo:

@@ -7,7 +7,7 @@ from components.config import GateParams, LatencyGateParams, QualityGateParams
 from components.data import dvc_md5
 from components.errors import GateFailed
 from flows.pipeline import retrain_and_rebuild
-from registry import CHALLENGER, registry_target, resolve_alias
+from registry import CHALLENGER, CHAMPION, promote, registry_target, resolve_alias
 
 from .conftest import make_project, tiny_params
 
@@ -202,3 +202,34 @@ def test_a_failing_engine_leaves_the_older_challenger_where_it_was(flow_project)
     assert failed.value.report.outcomes[0].registration.created
     assert failed.value.report.aliases == {CHALLENGER: good.challenger.registration.version}
     assert resolve_alias(registry_target(registry, flow_project), CHALLENGER).version == good.challenger.registration.version
+
+
+def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_champion(flow_project):
+    """The MLflow UI renders a version's description: the gates with their limits, the
+    champion of the moment, the lineage and a link to the run. A second engine (the same
+    model built with a wider batch profile) is compared with the first once it is champion."""
+    from mlflow import MlflowClient
+
+    from components.config import BuildParams, ProfileParams, ShapeRange
+
+    base = tiny_params(flow_project)
+    params = base.model_copy(update={"registry": base.registry.model_copy(update={"model_name": "kiln-pages"})})
+    first = retrain_and_rebuild(params, flow_project)
+    target = registry_target(params.registry, flow_project)
+    client = MlflowClient(target.tracking_uri)
+    page = client.get_model_version("kiln-pages", first.challenger.registration.version).description
+    assert "gates passed" in page and "| quality | top1_agreement | 1 | >= 0.99 | ✅ |" in page
+    assert "No champion when this version was registered." in page
+    assert f"data version `{dvc_md5(flow_project / 'data.dvc')}`" in page
+    assert f"engine `{first.challenger.engine.sha256[:16]}`" in page and f"params sha256 `{params.digest()[:16]}`" in page
+    run = client.get_run(first.challenger.registration.run_id)
+    assert f"(#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/artifacts)" in page
+
+    promote(target, CHAMPION, version=first.challenger.registration.version)
+    wider = params.model_copy(update={"build": BuildParams(profiles=ProfileParams(
+        batch=ShapeRange(min=1, opt=1, max=4), prompt=ShapeRange(min=1, opt=32, max=96), context=ShapeRange(min=2, opt=64, max=128)))})  # fmt: skip
+    second = retrain_and_rebuild(wider, flow_project)
+    assert second.challenger.registration.created and second.challenger.registration.version != first.challenger.registration.version
+    page = client.get_model_version("kiln-pages", second.challenger.registration.version).description
+    assert f"### Beside the champion (version {first.challenger.registration.version}, at registration)" in page
+    assert "| quality.top1_agreement | 1 | 1 | +0 (+0.0%) |" in page
