@@ -70,11 +70,13 @@ class GateReport:
         return {"passed": self.passed, "gates": [asdict(g) | {"samples_ms": list(g.samples_ms)} for g in self.gates]}
 
     def to_markdown(self) -> str:
-        lines = [f"# Gate report: {'PASSED' if self.passed else 'FAILED'}", "", "| gate | measure | value | limit | |", "|---|---|---|---|---|"]
+        lines = [f"# Gate report: {'PASSED' if self.passed else 'FAILED'}", "", "| gate | measure | value | limit | gate result |", "|---|---|---|---|---|"]
         for gate in self.gates:
             for measure, value in gate.measured.items():
                 limit = limit_text(measure, gate.thresholds)
-                mark = "" if not limit else ("✅" if gate.passed else "❌")
+                # Words, not emoji: the MLflow UI shows this table and a browser without an
+                # emoji font draws ✅ as an empty box.
+                mark = "" if not limit else ("pass" if gate.passed else "**FAIL**")
                 lines.append(f"| {gate.name} | {measure} | {value:.6g} | {limit} | {mark} |")
         return "\n".join(lines) + "\n"
 

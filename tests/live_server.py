@@ -3,9 +3,15 @@ the `openai` package, httpx, MLflow's webhook delivery — reach it over HTTP.""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -48,3 +54,36 @@ class LiveServer:
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=30, **kwargs)
+
+
+@contextmanager
+def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
+    """`mlflow server` on a store, set up to deliver webhooks to a local receiver (FACTS.md);
+    yields its URL once /health answers."""
+    from cryptography.fernet import Fernet
+
+    port = free_port()
+    env = os.environ | {
+        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+        "MLFLOW_WEBHOOK_CACHE_TTL": "1",
+        "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode(),
+    }
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", tracking_uri,
+               "--default-artifact-root", str(artifact_root), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+            time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)

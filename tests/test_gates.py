@@ -129,12 +129,12 @@ def test_the_markdown_report_is_a_table_with_each_limit_and_its_verdict():
     assert GateReport((QUALITY_OK, LATENCY_SLOW)).to_markdown() == (
         "# Gate report: FAILED\n"
         "\n"
-        "| gate | measure | value | limit | |\n"
+        "| gate | measure | value | limit | gate result |\n"
         "|---|---|---|---|---|\n"
-        "| quality | top1_agreement | 0.995 | >= 0.99 | ✅ |\n"
-        "| quality | ppl_increase_pct | 0.25 | <= 1 | ✅ |\n"
+        "| quality | top1_agreement | 0.995 | >= 0.99 | pass |\n"
+        "| quality | ppl_increase_pct | 0.25 | <= 1 | pass |\n"
         "| latency | p50_ms | 12 |  |  |\n"
-        "| latency | p95_ms | 31.5 | <= 30 | ❌ |\n"
+        "| latency | p95_ms | 31.5 | <= 30 | **FAIL** |\n"
     )
     assert GateReport((QUALITY_OK,)).to_markdown().startswith("# Gate report: PASSED\n")
 

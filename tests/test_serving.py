@@ -9,7 +9,6 @@ client. What the server answers is compared with the runtime the gates drove.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from serving.webhooks import signature_of
 
 from .conftest import build_engine
 from .live_server import LiveServer, free_port
+from .live_server import mlflow_server as running_mlflow_server
 from .test_faults import stored_engine, tamper
 from .test_registry import record
 
@@ -497,32 +497,8 @@ def test_a_signed_fresh_delivery_is_accepted(server):
 
 @pytest.fixture()
 def mlflow_server(fresh_store):
-    """`mlflow server` on the store, set up to deliver webhooks to a local receiver."""
-    from cryptography.fernet import Fernet
-
-    port = free_port()
-    env = os.environ | {
-        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
-        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
-        "MLFLOW_WEBHOOK_CACHE_TTL": "1",
-        "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode(),
-    }
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", fresh_store.target.tracking_uri,
-               "--default-artifact-root", str(fresh_store.target.artifact_root), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
-        time.sleep(0.3)
-    yield url
-    process.terminate()
-    process.wait(30)
+    with running_mlflow_server(fresh_store.target.tracking_uri, fresh_store.target.artifact_root) as url:
+        yield url
 
 
 def test_an_alias_set_through_the_mlflow_server_reaches_the_server_by_webhook_under_load(fresh_store, mlflow_server):
