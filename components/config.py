@@ -209,6 +209,27 @@ class QualityGateParams(_Section):
     }
 
 
+class TextLimits(_Section):
+    """How far below the reference model's own scores the engine's text may fall, in percent."""
+
+    max_rouge_l_drop_pct: float = Field(ge=0)
+    max_bleu_drop_pct: float = Field(ge=0)
+
+
+class TextGateParams(_Section):
+    """Greedy continuations of held-out prompts, by the engine and by the PyTorch model it
+    came from, each scored against the held-out text that followed the prompt."""
+
+    sequences: int = Field(32, ge=1)
+    prompt_tokens: int = Field(16, ge=1)
+    new_tokens: int = Field(32, ge=1)
+    limits: dict[Precision, TextLimits] = {
+        "fp32": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
+        "fp16": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
+        "int8": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
+    }
+
+
 class LatencyGateParams(_Section):
     prompt_tokens: int = Field(32, ge=1)
     new_tokens: int = Field(32, ge=1)
@@ -219,6 +240,7 @@ class LatencyGateParams(_Section):
 
 class GateParams(_Section):
     quality: QualityGateParams = QualityGateParams()
+    text: TextGateParams = TextGateParams()
     latency: LatencyGateParams = LatencyGateParams()
 
 

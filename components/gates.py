@@ -1,5 +1,6 @@
-"""The gates: an engine measured against the PyTorch model it came from (quality) and
-timed on generation (latency). Results are values: numbers, thresholds, pass/fail."""
+"""The gates: an engine measured against the PyTorch model it came from (next-token quality
+and the text it writes) and timed on generation (latency). Results are values: numbers,
+thresholds, pass/fail."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from components.config import GateParams, LatencyGateParams, QualityGateParams, QualityLimits
+from components.config import GateParams, LatencyGateParams, QualityGateParams, QualityLimits, TextGateParams, TextLimits
 from components.data import DataVersion, split_texts
 from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import ConfigError, DataError
@@ -24,7 +25,7 @@ from components.runtime.tokenizer import EngineTokenizer
 
 # Part of the report folder's name and of the Prefect cache key (flows.caching): bump it when
 # the gates' code changes what they measure, and every engine is gated again.
-STAGE_VERSION = "1"
+STAGE_VERSION = "2"  # 2: the text gate
 T = TypeVar("T")
 
 
@@ -86,6 +87,8 @@ _LIMITS = {
     "top1_agreement": ("min_top1_agreement", ">="),
     "ppl_increase_pct": ("max_ppl_increase_pct", "<="),
     "p95_ms": ("max_p95_ms", "<="),
+    "rouge_l_drop_pct": ("max_rouge_l_drop_pct", "<="),
+    "bleu_drop_pct": ("max_bleu_drop_pct", "<="),
 }
 
 
@@ -111,16 +114,21 @@ def _failure_line(name: str, measured: dict[str, float], thresholds: dict[str, f
 
 def eval_windows(tokenizer: EngineTokenizer, texts: list[str], params: QualityGateParams) -> np.ndarray:
     """(sequences, sequence_length) token windows cut from the eval split, in order."""
+    return token_windows(tokenizer, texts, params.sequences, params.sequence_length)
+
+
+def token_windows(tokenizer: EngineTokenizer, texts: list[str], count: int, length: int) -> np.ndarray:
+    """Up to `count` windows of `length` tokens cut from the texts' token stream, in order."""
     stream: list[int] = []
     for text in texts:
         stream.extend(tokenizer.encode(text))
-        if len(stream) >= params.sequences * params.sequence_length:
+        if len(stream) >= count * length:
             break
-    usable = len(stream) // params.sequence_length
+    usable = len(stream) // length
     if usable == 0:
-        raise DataError(f"the eval split has {len(stream)} tokens, fewer than one window of {params.sequence_length}")
-    windows = np.array(stream[: usable * params.sequence_length], np.int64).reshape(usable, params.sequence_length)
-    return windows[: params.sequences]
+        raise DataError(f"the eval split has {len(stream)} tokens, fewer than one window of {length}")
+    windows = np.array(stream[: usable * length], np.int64).reshape(usable, length)
+    return windows[:count]
 
 
 def quality_gate(engine: Engine, reference, windows: np.ndarray, params: QualityGateParams, batch_size: int = 4) -> GateResult:
@@ -179,6 +187,73 @@ def _target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
     return (log_norm - target).ravel()
 
 
+# ---------------------------------------------------------------- text
+
+
+def text_windows(tokenizer: EngineTokenizer, texts: list[str], params: TextGateParams) -> np.ndarray:
+    """(sequences, prompt_tokens + new_tokens) windows of held-out text: prompt, then what followed."""
+    return token_windows(tokenizer, texts, params.sequences, params.prompt_tokens + params.new_tokens)
+
+
+def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np.ndarray, params: TextGateParams) -> GateResult:
+    """ROUGE-L and BLEU of the engine's greedy continuations of held-out prompts, against the
+    text that really followed each prompt (`text_windows`), beside the same scores of the
+    PyTorch model it came from; the engine may fall at most the precision's limit below
+    them. Also reported: ROUGE-L of the engine's continuations against the model's (1.0
+    when they agree)."""
+    from components.metrics import load_metric
+
+    limits = text_limits(params, engine.manifest.precision)  # a bad config fails before measuring
+    prompts, held_out = windows[:, : params.prompt_tokens], [tokenizer.decode(w[params.prompt_tokens :].tolist()) for w in windows]
+    ours, theirs = [], []
+    batch = engine.manifest.profiles["context"].batch.max
+    sampling = Sampling(max_new_tokens=params.new_tokens, stop_at_eos=False)
+    with stage_progress("text gate", total=len(prompts)) as advance:
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            ours += [tokenizer.decode(ids) for ids in engine.generate(chunk.tolist(), sampling)]
+            theirs += [tokenizer.decode(ids) for ids in _reference_continuations(reference, chunk, params.new_tokens)]
+            advance(len(chunk), "")
+    rouge, bleu = load_metric("rouge_l"), load_metric("bleu")
+    measured = {
+        "rouge_l": rouge.compute(predictions=ours, references=held_out)["rouge_l"],
+        "rouge_l_reference": rouge.compute(predictions=theirs, references=held_out)["rouge_l"],
+        "bleu": bleu.compute(predictions=ours, references=held_out)["bleu"],
+        "bleu_reference": bleu.compute(predictions=theirs, references=held_out)["bleu"],
+        "rouge_l_vs_reference": rouge.compute(predictions=ours, references=theirs)["rouge_l"],
+        "sequences": float(len(prompts)),
+    }
+    measured["rouge_l_drop_pct"] = _drop_pct(measured["rouge_l"], measured["rouge_l_reference"])
+    measured["bleu_drop_pct"] = _drop_pct(measured["bleu"], measured["bleu_reference"])
+    thresholds = {"max_rouge_l_drop_pct": limits.max_rouge_l_drop_pct, "max_bleu_drop_pct": limits.max_bleu_drop_pct}
+    passed = measured["rouge_l_drop_pct"] <= limits.max_rouge_l_drop_pct and measured["bleu_drop_pct"] <= limits.max_bleu_drop_pct
+    return GateResult("text", passed, measured, thresholds)
+
+
+def text_limits(params: TextGateParams, precision: str) -> TextLimits:
+    if precision not in params.limits:
+        raise ConfigError(f"gates.text.limits has no entry for precision {precision!r}")
+    return params.limits[precision]
+
+
+def _drop_pct(engine_score: float, reference_score: float) -> float:
+    """How far the engine's score is below the reference's, in percent (negative: above)."""
+    return 100.0 * (reference_score - engine_score) / reference_score if reference_score > 0 else 0.0
+
+
+def _reference_continuations(reference, prompts: np.ndarray, new_tokens: int) -> list[list[int]]:
+    """Greedy continuations by the PyTorch model (the prompts share one length: no padding)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.from_numpy(prompts)
+        out = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            pad_token_id=reference.config.eos_token_id,
+        )  # fmt: skip
+    return out[:, prompts.shape[1] :].tolist()
+
+
 # ---------------------------------------------------------------- latency
 
 
@@ -217,8 +292,9 @@ def gate_report(engine: Engine, reference, eval_texts: list[str], params: GatePa
     tokenizer = EngineTokenizer(engine.engine_dir.path)
     windows = eval_windows(tokenizer, eval_texts, params.quality)
     quality = quality_gate(engine, reference, windows, params.quality)
+    text = text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text)
     latency = latency_gate(engine, latency_prompt(windows, params.latency.prompt_tokens), params.latency)
-    return GateReport((quality, latency))
+    return GateReport((quality, text, latency))
 
 
 def write_report(report: GateReport, directory: Path) -> list[Path]:

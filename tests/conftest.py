@@ -39,6 +39,7 @@ from components.config import (  # noqa: E402
     ShapeRange,
     SplitParams,
     TextFilesSource,
+    TextGateParams,
     TokenizerParams,
     TrainingParams,
 )
@@ -65,6 +66,7 @@ def tiny_params(root: Path, **overrides) -> Params:
         ),
         gates=GateParams(
             quality=QualityGateParams(sequences=8, sequence_length=32),
+            text=TextGateParams(sequences=8, prompt_tokens=8, new_tokens=16),
             latency=LatencyGateParams(prompt_tokens=8, new_tokens=8, warmup=1, runs=3, max_p95_ms=5000),
         ),
         registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name="kiln-tiny"),
@@ -183,16 +185,18 @@ def registry_target(tmp_path):
 
 
 class EosAfter(Engine):
-    """The real engine, except that from decode step `after` on, its logits favour EOS."""
+    """The real engine, except that from decode step `after` on, its logits favour EOS (or
+    `token`)."""
 
-    def __init__(self, inner: Engine, after: int) -> None:
+    def __init__(self, inner: Engine, after: int, token: int | None = None) -> None:
         super().__init__(inner.engine_dir)
         self.inner, self.after, self.calls = inner, after, 0
+        self.token = self.manifest.eos_token_id if token is None else token
 
     def forward(self, input_ids, attention_mask, position_ids, cache):
         logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache)
         self.calls += 1
         if self.calls > self.after:
             logits = logits.copy()
-            logits[..., self.manifest.eos_token_id] = logits.max() + 10.0
+            logits[..., self.token] = logits.max() + 10.0
         return logits, present

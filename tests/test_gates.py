@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from components.config import LatencyGateParams, QualityGateParams, QualityLimits
-from components.gates import eval_windows, gate_report, latency_gate, quality_gate, write_report
+from components.errors import ConfigError
+from components.gates import eval_windows, gate_report, latency_gate, quality_gate, text_gate, text_windows, write_report
 from components.metrics import load_metric
 from components.runtime.engine import Engine
 from components.runtime.tokenizer import EngineTokenizer
@@ -75,10 +76,64 @@ def test_a_report_is_written_as_json_markdown_and_a_plot(tmp_path, engine, refer
     paths = write_report(report, tmp_path)
     assert [p.name for p in paths] == ["report.json", "report.md", "latency.png"]
     saved = json.loads(paths[0].read_text())
-    assert saved["passed"] is True and {g["name"] for g in saved["gates"]} == {"quality", "latency"}
+    assert saved["passed"] is True and {g["name"] for g in saved["gates"]} == {"quality", "text", "latency"}
     assert "| quality | top1_agreement |" in paths[1].read_text()
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert set(report.flat_numbers()) >= {"gates.quality.top1_agreement", "gates.quality.ppl_increase_pct", "gates.latency.p95_ms"}
+    assert set(report.flat_numbers()) >= {"gates.quality.top1_agreement", "gates.quality.ppl_increase_pct", "gates.text.rouge_l_drop_pct", "gates.latency.p95_ms"}
+
+
+def model_written_windows(engine_dir, reference, data_version, params) -> np.ndarray:
+    """Held-out prompts followed by what the PyTorch model writes after them: text on which
+    the model scores 1.0 (the tiny test model shares hardly a word with real held-out text,
+    so real text would leave both scores at 0 and the gate nothing to compare)."""
+    from components.gates import _reference_continuations
+
+    tokenizer, text = EngineTokenizer(engine_dir.path), params.gates.text
+    prompts = text_windows(tokenizer, data_version.texts("eval"), text)[:, : text.prompt_tokens]
+    return np.concatenate([prompts, np.array(_reference_continuations(reference, prompts, text.new_tokens))], axis=1)
+
+
+def test_the_text_gate_scores_the_engines_continuations_like_the_models_when_they_agree(engine, engine_dir, reference, data_version, params):
+    windows = model_written_windows(engine_dir, reference, data_version, params)
+    result = text_gate(engine, reference, EngineTokenizer(engine_dir.path), windows, params.gates.text)
+    measured = result.measured
+    assert result.passed and measured["sequences"] == params.gates.text.sequences
+    assert measured["rouge_l"] == measured["rouge_l_reference"] == measured["rouge_l_vs_reference"] == 1.0  # fp32: the same greedy text
+    assert measured["bleu"] == measured["bleu_reference"] > 0  # not 1: the tiny model writes few spaces, so few 4-grams
+    assert measured["rouge_l_drop_pct"] == measured["bleu_drop_pct"] == 0
+    assert result.thresholds == {"max_rouge_l_drop_pct": 2.0, "max_bleu_drop_pct": 2.0}
+    real = text_gate(engine, reference, EngineTokenizer(engine_dir.path), text_windows(EngineTokenizer(engine_dir.path), data_version.texts("eval"), params.gates.text), params.gates.text)
+    assert real.passed and real.measured["rouge_l"] == real.measured["rouge_l_reference"]
+
+
+def test_the_text_gate_fails_an_engine_that_writes_other_text_naming_the_scores(engine, engine_dir, reference, data_version, params):
+    """An engine that agrees with its model on the first tokens, then repeats one token (not
+    EOS: the tiny model itself writes EOS often)."""
+    from .conftest import EosAfter
+
+    windows = model_written_windows(engine_dir, reference, data_version, params)
+    stuck = EosAfter(engine, after=2, token=engine.manifest.vocab_size - 1)
+    result = text_gate(stuck, reference, EngineTokenizer(engine_dir.path), windows, params.gates.text)
+    assert not result.passed
+    assert result.measured["rouge_l_vs_reference"] < 0.5 and result.measured["rouge_l_drop_pct"] > 50
+    assert GateReport((result,)).failures()[0].startswith("text: rouge_l_drop_pct")
+
+
+def test_the_text_metrics_are_rouge_l_and_smoothed_corpus_bleu():
+    from components.metrics import load_metric
+
+    rouge, bleu = load_metric("rouge_l"), load_metric("bleu")
+    text = "the engine writes what the model it came from writes"
+    assert rouge.compute(predictions=[text], references=[text])["rouge_l"] == 1.0
+    assert bleu.compute(predictions=[text], references=[text])["bleu"] == pytest.approx(1.0)
+    assert rouge.compute(predictions=["a b c d"], references=["a x c y"])["rouge_l"] == pytest.approx(0.5)  # LCS "a c"
+    assert 0 < bleu.compute(predictions=["a b c d e"], references=["a b x y z"])["bleu"] < 0.2
+
+
+def test_a_precision_without_text_limits_is_a_config_error(engine, engine_dir, reference, data_version, params):
+    without_fp32 = params.gates.text.model_copy(update={"limits": {"int8": params.gates.text.limits["int8"]}})
+    with pytest.raises(ConfigError, match="gates.text.limits has no entry for precision 'fp32'"):
+        text_gate(engine, reference, EngineTokenizer(engine_dir.path), np.zeros((1, 24), np.int64), without_fp32)
 
 
 # ---------------------------------------------------------------- the report people read (literal expectations)
