@@ -238,10 +238,20 @@ class LatencyGateParams(_Section):
     max_p95_ms: float = Field(500.0, gt=0)  # the default model takes ~10 ms; this catches a broken build
 
 
+class ChampionGateParams(_Section):
+    """How much worse than the engine being served (`champion`) a new engine may be, each
+    measured on this run's data in this run; in percent."""
+
+    max_nll_increase_pct: float = Field(1.0, ge=0)  # NLL per character on the eval split
+    max_rouge_l_drop_pct: float = Field(2.0, ge=0)  # the text gate's ROUGE-L against held-out text
+    max_p50_increase_pct: float = Field(25.0, ge=0)  # the latency gate's generation, timed turn by turn
+
+
 class GateParams(_Section):
     quality: QualityGateParams = QualityGateParams()
     text: TextGateParams = TextGateParams()
     latency: LatencyGateParams = LatencyGateParams()
+    champion: ChampionGateParams = ChampionGateParams()
 
 
 # ---------------------------------------------------------------- registry / sample

@@ -89,6 +89,9 @@ _LIMITS = {
     "p95_ms": ("max_p95_ms", "<="),
     "rouge_l_drop_pct": ("max_rouge_l_drop_pct", "<="),
     "bleu_drop_pct": ("max_bleu_drop_pct", "<="),
+    "nll_increase_vs_champion_pct": ("max_nll_increase_vs_champion_pct", "<="),
+    "rouge_l_drop_vs_champion_pct": ("max_rouge_l_drop_vs_champion_pct", "<="),
+    "p50_increase_vs_champion_pct": ("max_p50_increase_vs_champion_pct", "<="),
 }
 
 
@@ -143,8 +146,8 @@ def quality_gate(engine: Engine, reference, windows: np.ndarray, params: Quality
             reference_logits = _reference_logits(reference, batch)
             engine_argmax.append(engine_logits[:, :-1].argmax(-1).ravel())
             reference_argmax.append(reference_logits[:, :-1].argmax(-1).ravel())
-            engine_nll.append(_target_nll(engine_logits, batch))
-            reference_nll.append(_target_nll(reference_logits, batch))
+            engine_nll.append(target_nll(engine_logits, batch))
+            reference_nll.append(target_nll(reference_logits, batch))
             advance(len(batch), "")
     agreement = load_metric("top1_agreement").compute(
         predictions=np.concatenate(engine_argmax), references=np.concatenate(reference_argmax)
@@ -179,7 +182,7 @@ def _reference_logits(reference, batch: np.ndarray) -> np.ndarray:
         return reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().numpy()
 
 
-def _target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
+def target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
     """-log p(next token) at every position but the last, computed stably in float64."""
     scores = logits[:, :-1].astype(np.float64)
     log_norm = np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1)) + scores.max(-1)
@@ -223,8 +226,8 @@ def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np
         "rouge_l_vs_reference": rouge.compute(predictions=ours, references=theirs)["rouge_l"],
         "sequences": float(len(prompts)),
     }
-    measured["rouge_l_drop_pct"] = _drop_pct(measured["rouge_l"], measured["rouge_l_reference"])
-    measured["bleu_drop_pct"] = _drop_pct(measured["bleu"], measured["bleu_reference"])
+    measured["rouge_l_drop_pct"] = drop_pct(measured["rouge_l"], measured["rouge_l_reference"])
+    measured["bleu_drop_pct"] = drop_pct(measured["bleu"], measured["bleu_reference"])
     thresholds = {"max_rouge_l_drop_pct": limits.max_rouge_l_drop_pct, "max_bleu_drop_pct": limits.max_bleu_drop_pct}
     passed = measured["rouge_l_drop_pct"] <= limits.max_rouge_l_drop_pct and measured["bleu_drop_pct"] <= limits.max_bleu_drop_pct
     return GateResult("text", passed, measured, thresholds)
@@ -236,7 +239,7 @@ def text_limits(params: TextGateParams, precision: str) -> TextLimits:
     return params.limits[precision]
 
 
-def _drop_pct(engine_score: float, reference_score: float) -> float:
+def drop_pct(engine_score: float, reference_score: float) -> float:
     """How far the engine's score is below the reference's, in percent (negative: above)."""
     return 100.0 * (reference_score - engine_score) / reference_score if reference_score > 0 else 0.0
 

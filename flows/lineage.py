@@ -10,12 +10,12 @@ from components.calibrate import CalibrationSet
 from components.config import Params
 from components.engine_dir import EngineDir
 from components.export import ExportedOnnx
-from components.gates import GateReport
+from components.gates import GateReport, GateResult
 from components.model_dir import TrainedModel
 from registry import DatasetRecord, RunRecord, VersionInfo
 
 
-def version_tags(params: Params, engine: EngineDir, report: GateReport, git_commit: str) -> dict[str, str]:
+def version_tags(params: Params, engine: EngineDir, report: GateReport, git_commit: str, against_champion: GateResult | None = None) -> dict[str, str]:
     manifest = engine.manifest
     tags = {
         "engine_sha256": manifest.engine_sha256,
@@ -32,6 +32,9 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         "params_sha256": params.digest(),
         "gates.passed": str(report.passed).lower(),
     }
+    if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
+        tags["gates.champion.passed"] = str(against_champion.passed).lower()
+        tags |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}
     return tags | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()}
 
 
@@ -45,8 +48,9 @@ def run_record(
     calibration: CalibrationSet | None,
     git_commit: str,
     champion: VersionInfo | None = None,
+    against_champion: GateResult | None = None,
 ) -> RunRecord:
-    metrics = dict(report.flat_numbers())
+    metrics = dict(report.flat_numbers()) | (GateReport((against_champion,)).flat_numbers() if against_champion else {})
     metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
     metrics["export.parity.decode_max_abs_diff"] = onnx.parity.decode_max_abs_diff
     if model.eval_perplexity is not None:
@@ -62,8 +66,8 @@ def run_record(
     return RunRecord(
         params=_flatten(params.model_dump(mode="json")),
         metrics=metrics,
-        version_tags=version_tags(params, engine, report, git_commit),
-        description=version_description(params, model, engine, report, calibration, git_commit, champion),
+        version_tags=version_tags(params, engine, report, git_commit, against_champion),
+        description=version_description(params, model, engine, report, calibration, git_commit, champion, against_champion),
         artifacts=artifacts,
         step_metrics={"train.loss": list(model.loss_curve)} if model.loss_curve else {},
         datasets=tuple(datasets),
@@ -78,6 +82,7 @@ def version_description(
     calibration: CalibrationSet | None,
     git_commit: str,
     champion: VersionInfo | None,
+    against_champion: GateResult | None = None,
 ) -> str:
     """The version page in the MLflow UI (it renders markdown): the gates with their limits,
     the champion of the moment beside them, and the lineage. The registry adds the run."""
@@ -90,6 +95,7 @@ def version_description(
         "",
         *report.to_markdown().splitlines()[2:],
         "",
+        *_champion_gate_section(against_champion),
         *_champion_section(report, champion),
         "### Lineage",
         "",
@@ -111,10 +117,21 @@ def version_description(
     return "\n".join(lines) + "\n"
 
 
+def _champion_gate_section(against_champion: GateResult | None) -> list[str]:
+    """The champion gate: measured beside the champion in this run, on this run's data."""
+    if against_champion is None:
+        return []
+    version = int(against_champion.measured["champion_version"])
+    verdict = "may become `challenger`" if against_champion.passed else "**not a challenger**: worse than the champion beyond the limits"
+    table = GateReport((against_champion,)).to_markdown().splitlines()[2:]
+    return [f"### Against the champion (version {version}, measured in this run): {verdict}", "", *table, ""]
+
+
 def _champion_section(report: GateReport, champion: VersionInfo | None) -> list[str]:
     """This engine's gate numbers beside the champion's, as each version recorded them."""
     if champion is None:
         return ["No champion when this version was registered.", ""]
+    # As recorded at each one's registration (the champion gate above measured both here).
     rows = []
     for name, value in report.flat_numbers().items():
         theirs = champion.tags.get(name)

@@ -16,21 +16,35 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from components.build import engine_from_onnx
 from components.calibrate import CalibrationSet, calibration_set_from_pool
-from components.config import Params, SampleParams
+from components.champion_gate import Contender, champion_gate
+from components.config import GateParams, Params, SampleParams
 from components.data import DataVersion, data_version_from_source
 from components.engine_dir import EngineDir
-from components.errors import GateFailed
+from components.errors import GateFailed, KilnError
 from components.export import ExportedOnnx, onnx_from_model
-from components.gates import GateReport, fastest_passing, gated_engine
+from components.gates import GateReport, GateResult, fastest_passing, gated_engine
 from components.model_dir import TrainedModel, check_fits_model, model_from_directory
 from components.precision import precision_onnx
+from components.runtime import open_engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from components.train import model_from_data
 from components.workspace import Workspace
 from flows.caching import CachedStage
 from flows.lineage import git_commit, run_record
-from registry import CHALLENGER, CHAMPION, Registration, RegistryTarget, alias_version, aliases_of, preflight, promote, register_engine, registry_target
+from registry import (
+    CHALLENGER,
+    CHAMPION,
+    Registration,
+    RegistryTarget,
+    VersionInfo,
+    alias_version,
+    aliases_of,
+    preflight,
+    promote,
+    register_engine,
+    registry_target,
+)
 from serving import loader
 
 
@@ -45,6 +59,25 @@ def sample_from_registry(target: RegistryTarget, version: str, wanted: SamplePar
     return wanted.prompt + tokenizer.decode(ids)
 
 
+def compare_with_champion(
+    engine_dir: EngineDir, champion: VersionInfo, data: DataVersion, params: GateParams, target: RegistryTarget, cache_root: Path
+) -> GateResult | None:
+    """The champion gate of a new engine (components.champion_gate), the champion pulled
+    through the serving loader. None, with a warning, when the champion cannot be pulled:
+    a broken champion must not block the engine that may replace it."""
+    try:
+        pulled = loader.pull_version(target, champion.version, cache_root)
+        served = loader.load(pulled)
+    except KilnError as err:
+        get_run_logger().warning(f"no champion gate: champion version {champion.version} cannot be loaded here ({err})")
+        return None
+    with open_engine(engine_dir) as candidate, served:
+        return champion_gate(
+            Contender(candidate, EngineTokenizer(engine_dir.path)), Contender(served, EngineTokenizer(pulled.engine_dir.path)),
+            champion.version, data.texts("eval"), params,
+        )  # fmt: skip
+
+
 version_data = task(name="version-data", retries=1)(data_version_from_source)
 train_model = CachedStage(model_from_data, "train-model")
 load_pretrained = task(name="load-model")(model_from_directory)
@@ -57,6 +90,7 @@ gate_engine = CachedStage(gated_engine, "gate-engine")
 register = task(name="register-engine", retries=1, retry_delay_seconds=2)(register_engine)
 set_challenger = task(name="alias-challenger", retries=1, retry_delay_seconds=2)(promote)
 sample = task(name="sample-completion")(sample_from_registry)
+champion_check = task(name="champion-gate")(compare_with_champion)  # not cached: the champion moves
 
 
 @dataclass(frozen=True)
@@ -67,6 +101,17 @@ class EngineOutcome:
     engine: EngineDir
     report: GateReport
     registration: Registration
+    against_champion: GateResult | None = None  # the champion gate; None without a champion to compare
+
+    @property
+    def may_be_challenger(self) -> bool:
+        """Its own gates passed, and it is not worse than the champion beyond the limits."""
+        return self.report.passed and (self.against_champion is None or self.against_champion.passed)
+
+
+def choose_challenger(outcomes: tuple[EngineOutcome, ...]) -> EngineOutcome | None:
+    """The fastest engine that passed its gates and is not worse than the champion."""
+    return fastest_passing([o for o in outcomes if o.may_be_challenger], lambda outcome: outcome.report)
 
 
 @dataclass(frozen=True)
@@ -104,7 +149,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     outcomes = tuple(
         _engine_for(precision, params, model, onnx, data, calibration, workspace, target) for precision in params.precision.build
     )
-    challenger = fastest_passing(outcomes, lambda outcome: outcome.report)
+    challenger = choose_challenger(outcomes)
     if challenger is not None:
         set_challenger(target, CHALLENGER, version=challenger.registration.version)
     text = sample(target, challenger.registration.version, params.sample, workspace.serving_cache) if challenger else None
@@ -130,19 +175,28 @@ def _engine_for(
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
     report = gated.report
-    _publish_report(precision, report)
     champion = alias_version(target, CHAMPION)
-    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root), champion)
+    is_champion = champion is not None and (champion.tags.get("engine_sha256"), champion.tags.get("profiles_sha256")) == (
+        engine.sha256, engine.manifest.profiles_sha256
+    )
+    compared = None
+    if champion is not None and not is_champion:
+        compared = champion_check(engine, champion, data, params.gates, target, workspace.serving_cache)
+    _publish_report(precision, report, compared)
+    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root), champion, compared)
     registration = register(target, engine.path, engine.sha256, record)
-    return EngineOutcome(precision, engine, report, registration)
+    return EngineOutcome(precision, engine, report, registration, compared)
 
 
-def _publish_report(precision: str, report: GateReport) -> None:
-    create_markdown_artifact(report.to_markdown(), key=f"gate-report-{precision}", description=f"Gates of the {precision} engine")
+def _publish_report(precision: str, report: GateReport, against_champion: GateResult | None) -> None:
+    everything = GateReport((*report.gates, against_champion)) if against_champion else report
+    create_markdown_artifact(everything.to_markdown(), key=f"gate-report-{precision}", description=f"Gates of the {precision} engine")
     rows = [
         {"gate": gate.name, "measure": measure, "value": round(value, 6), "passed": gate.passed}
-        for gate in report.gates
+        for gate in everything.gates
         for measure, value in gate.measured.items()
     ]
     create_table_artifact(rows, key=f"gate-numbers-{precision}", description=f"Every number the gates measured, {precision}")
     get_run_logger().info("%s gates %s", precision, "passed" if report.passed else "FAILED: " + "; ".join(report.failures()))
+    if against_champion is not None and not against_champion.passed:
+        get_run_logger().info("%s is not a challenger: %s", precision, "; ".join(GateReport((against_champion,)).failures()))

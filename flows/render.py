@@ -58,6 +58,14 @@ def pipeline_result(result) -> None:
     console.print(table)
     for outcome in result.failed:
         console.print(f"[red]{outcome.precision} failed:[/] " + "; ".join(outcome.report.failures()))
+    from components.gates import GateReport
+
+    for outcome in result.outcomes:
+        compared = outcome.against_champion
+        if compared is not None and not compared.passed:
+            version = int(compared.measured["champion_version"])
+            reasons = "; ".join(f.removeprefix("champion: ") for f in GateReport((compared,)).failures())
+            console.print(f"[yellow]{outcome.precision} is not a challenger: worse than champion version {version}:[/] {reasons}")
     if result.challenger is not None:
         reg = result.challenger.registration
         state = "registered" if reg.created else "unchanged (same engine sha256 already registered)"
