@@ -185,3 +185,25 @@ def evaluate_perplexity(model, ids, params: TrainingParams) -> float:
             mask = torch.ones_like(batch)
             losses.append(model(input_ids=batch, attention_mask=mask, labels=batch).loss.item() * len(batch))
     return math.exp(sum(losses) / len(blocks))
+
+
+def write_loss_plot(model: TrainedModel, path: Path) -> Path:
+    """The training loss by step, with the eval perplexity in the title: the training run's
+    picture in MLflow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses = zip(*model.loss_curve, strict=True) if model.loss_curve else ((), ())
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(steps, losses, color="#4c72b0")
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss (nats per token)")
+    if model.eval_perplexity is not None:
+        axes.set_title(f"eval perplexity {model.eval_perplexity:.2f} (uniform guess {model.uniform_perplexity or 0:.0f})", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

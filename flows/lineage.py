@@ -12,7 +12,7 @@ from components.engine_dir import EngineDir
 from components.export import ExportedOnnx
 from components.gates import GateReport, GateResult
 from components.model_dir import TrainedModel
-from registry import DatasetRecord, RunRecord, VersionInfo
+from registry import DatasetRecord, RunLink, RunRecord, VersionInfo
 
 
 def version_tags(params: Params, engine: EngineDir, report: GateReport, git_commit: str, against_champion: GateResult | None = None) -> dict[str, str]:
@@ -49,6 +49,7 @@ def run_record(
     git_commit: str,
     champion: VersionInfo | None = None,
     against_champion: GateResult | None = None,
+    training: RunLink | None = None,
 ) -> RunRecord:
     metrics = dict(report.flat_numbers()) | (GateReport((against_champion,)).flat_numbers() if against_champion else {})
     metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
@@ -66,11 +67,24 @@ def run_record(
     return RunRecord(
         params=_flatten(params.model_dump(mode="json")),
         metrics=metrics,
-        version_tags=version_tags(params, engine, report, git_commit, against_champion),
-        description=version_description(params, model, engine, report, calibration, git_commit, champion, against_champion),
+        version_tags=version_tags(params, engine, report, git_commit, against_champion) | ({"training_run_id": training.run_id} if training else {}),
+        description=version_description(params, model, engine, report, calibration, git_commit, champion, against_champion, training),
         artifacts=artifacts,
-        step_metrics={"train.loss": list(model.loss_curve)} if model.loss_curve else {},
         datasets=tuple(datasets),
+    )
+
+
+def training_record(params: Params, model: TrainedModel, data_md5: str, plot: Path) -> RunRecord:
+    """The training run: the data and model sections of params.yaml, the loss by step, the
+    eval perplexity, the corpus as a dataset input and the loss plot."""
+    metrics = {"train.eval_perplexity": model.eval_perplexity or 0.0, "train.uniform_perplexity": model.uniform_perplexity or 0.0}
+    return RunRecord(
+        params=_flatten({"data": params.data.model_dump(mode="json"), "model": params.model.model_dump(mode="json")}),
+        metrics=metrics,
+        version_tags={},
+        artifacts={"plots": plot},
+        step_metrics={"train.loss": list(model.loss_curve)},
+        datasets=(DatasetRecord("corpus", data_md5, str(Path(params.data.path).with_suffix(".dvc")), "training"),),
     )
 
 
@@ -83,6 +97,7 @@ def version_description(
     git_commit: str,
     champion: VersionInfo | None,
     against_champion: GateResult | None = None,
+    training: RunLink | None = None,
 ) -> str:
     """The version page in the MLflow UI (it renders markdown): the gates with their limits,
     the champion of the moment beside them, and the lineage. The registry adds the run."""
@@ -104,6 +119,7 @@ def version_description(
     if calibration is not None and m.lineage.calibration_digest:
         lines.append(f"- calibration set `{calibration.digest[:16]}` ({len(calibration.prompts)} prompts, {calibration.decode_steps} decode steps)")
     perplexity = f", eval perplexity {model.eval_perplexity:.2f}" if model.eval_perplexity is not None else ""
+    perplexity += f" ([training run]({training.ui_fragment}))" if training else ""
     lines += [
         f"- model sha256 `{model.sha256[:16]}`{perplexity}",
         f"- ONNX `{m.lineage.onnx_sha256[:16]}` → {m.precision} ONNX `{(m.lineage.precision_onnx_sha256 or m.lineage.onnx_sha256)[:16]}`"

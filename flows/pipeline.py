@@ -28,18 +28,20 @@ from components.precision import precision_onnx
 from components.runtime import open_engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
-from components.train import model_from_data
+from components.train import model_from_data, write_loss_plot
 from components.workspace import Workspace
 from flows.caching import CachedStage
-from flows.lineage import git_commit, run_record
+from flows.lineage import git_commit, run_record, training_record
 from registry import (
     CHALLENGER,
     CHAMPION,
     Registration,
     RegistryTarget,
+    RunLink,
     VersionInfo,
     alias_version,
     aliases_of,
+    log_training,
     preflight,
     promote,
     register_engine,
@@ -93,6 +95,15 @@ sample = task(name="sample-completion")(sample_from_registry)
 champion_check = task(name="champion-gate")(compare_with_champion)  # not cached: the champion moves
 
 
+@task(name="log-training-run", retries=1, retry_delay_seconds=2)
+def log_training_run(target: RegistryTarget, params: Params, model: TrainedModel, data: DataVersion, scratch: Path) -> RunLink | None:
+    """The model's own MLflow run, logged once per model; None for a model kiln did not train."""
+    if not model.loss_curve:
+        return None
+    plot = write_loss_plot(model, scratch / f"loss-{model.sha256[:12]}" / "loss.png")
+    return log_training(target, model.sha256, training_record(params, model, data.md5, plot.parent))
+
+
 @dataclass(frozen=True)
 class EngineOutcome:
     """One precision's engine: what was built, how it gated, where it was registered."""
@@ -142,12 +153,13 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     else:
         model = train_model(data, params.model, workspace.stage_dir("models"))
     check_params_against_model(model, params.build.profiles, params.sample)
+    training = log_training_run(target, params, model, data, workspace.stage_dir("reports"))
     onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
     calibration = None
     if "int8" in params.precision.build:
         calibration = curate_calibration(data, model.path, params.build.profiles, params.calibration, workspace.stage_dir("calibration"))
     outcomes = tuple(
-        _engine_for(precision, params, model, onnx, data, calibration, workspace, target) for precision in params.precision.build
+        _engine_for(precision, params, model, onnx, data, calibration, workspace, target, training) for precision in params.precision.build
     )
     challenger = choose_challenger(outcomes)
     if challenger is not None:
@@ -170,6 +182,7 @@ def _engine_for(
     calibration: CalibrationSet | None,
     workspace: Workspace,
     target: RegistryTarget,
+    training: RunLink | None,
 ) -> EngineOutcome:
     graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
@@ -183,7 +196,7 @@ def _engine_for(
     if champion is not None and not is_champion:
         compared = champion_check(engine, champion, data, params.gates, target, workspace.serving_cache)
     _publish_report(precision, report, compared)
-    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root), champion, compared)
+    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root), champion, compared, training)
     registration = register(target, engine.path, engine.sha256, record)
     return EngineOutcome(precision, engine, report, registration, compared)
 

@@ -4,7 +4,7 @@ engine directory."""
 
 from registry.lineage import VersionLineage, version_lineage
 from registry.promotion import AliasMove, alias_history, promote, rollback
-from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
+from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, VersionInfo
 from registry.store import (
     CHALLENGER,
     CHAMPION,
@@ -14,6 +14,7 @@ from registry.store import (
     engine_identity,
     find_version,
     get_version,
+    log_training,
     preflight,
     register_alias_webhook,
     register_engine,
@@ -28,6 +29,7 @@ __all__ = [
     "DatasetRecord",
     "Registration",
     "RegistryTarget",
+    "RunLink",
     "RunRecord",
     "VersionInfo",
     "VersionLineage",
@@ -38,6 +40,7 @@ __all__ = [
     "engine_identity",
     "find_version",
     "get_version",
+    "log_training",
     "preflight",
     "promote",
     "register_alias_webhook",

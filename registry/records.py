@@ -57,3 +57,16 @@ class VersionInfo:
     tags: dict[str, str]
     aliases: tuple[str, ...]
     run_id: str | None
+
+
+@dataclass(frozen=True)
+class RunLink:
+    """An MLflow run, and where the UI shows it."""
+
+    run_id: str
+    experiment_id: str
+
+    @property
+    def ui_fragment(self) -> str:
+        """A fragment link for markdown in the UI (it works wherever the UI is served)."""
+        return f"#/experiments/{self.experiment_id}/runs/{self.run_id}"

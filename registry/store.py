@@ -21,7 +21,7 @@ from pathlib import Path
 from components.engine_dir import MANIFEST, EngineManifest
 from components.errors import RegistryError
 from components.files import exclusive_lock, process_alive
-from registry.records import DatasetRecord, Registration, RegistryTarget, RunRecord, VersionInfo
+from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, VersionInfo
 from registry.target import is_embedded
 
 CHALLENGER = "challenger"
@@ -194,7 +194,39 @@ def _keep_oldest_twin(client, target: RegistryTarget, identity: dict[str, str], 
     return Registration(target.model_name, version, run_id, created=True, aliases=())
 
 
+def log_training(target: RegistryTarget, model_sha256: str, record: RunRecord) -> RunLink:
+    """The training run of one model (hyperparameters, loss curve, eval perplexity, its
+    data), logged once: a model logged before is found by its `kiln.model_sha256` tag.
+    Each engine run then points to it."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    with store_lock(target):
+        experiment_id = _experiment_id(client, target)
+        query = f"tags.`kiln.model_sha256` = '{model_sha256}' and attributes.status = 'FINISHED'"
+        try:
+            found = client.search_runs([experiment_id], filter_string=query, max_results=1)
+            if found:
+                return RunLink(found[0].info.run_id, experiment_id)
+            tags = {"kiln.model_sha256": model_sha256, "kiln.kind": "training"}
+            run_id = client.create_run(experiment_id, run_name=f"train-{model_sha256[:12]}", tags=tags).info.run_id
+        except MlflowException as err:
+            raise RegistryError(f"cannot log the training run in {target.tracking_uri}: {err.message}") from err
+        try:
+            _log_record(client, run_id, record)
+            client.set_terminated(run_id, "FINISHED")
+        except (MlflowException, OSError) as err:
+            client.set_terminated(run_id, "FAILED")
+            raise RegistryError(f"logging the training run in {target.tracking_uri} failed: {err}") from err
+    return RunLink(run_id, experiment_id)
+
+
 def _log_run(client, run_id: str, engine_dir: Path, record: RunRecord) -> None:
+    _log_record(client, run_id, record)
+    client.log_artifacts(run_id, str(engine_dir), ENGINE_ARTIFACT)
+
+
+def _log_record(client, run_id: str, record: RunRecord) -> None:
     import time
 
     from mlflow.entities import Metric, Param
@@ -207,7 +239,6 @@ def _log_run(client, run_id: str, engine_dir: Path, record: RunRecord) -> None:
         client.log_batch(run_id, metrics=metrics[start : start + 100], params=params[start : start + 100])
     if record.datasets:
         client.log_inputs(run_id, datasets=[_dataset_input(d) for d in record.datasets])
-    client.log_artifacts(run_id, str(engine_dir), ENGINE_ARTIFACT)
     for artifact_path, local in record.artifacts.items():
         if local.is_dir():
             client.log_artifacts(run_id, str(local), artifact_path)

@@ -224,6 +224,13 @@ def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_cha
     assert f"engine `{first.challenger.engine.sha256[:16]}`" in page and f"params sha256 `{params.digest()[:16]}`" in page
     run = client.get_run(first.challenger.registration.run_id)
     assert f"(#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/artifacts)" in page
+    # Training is a run of its own, which the engine's version points to.
+    training = client.get_run(client.get_model_version("kiln-pages", first.challenger.registration.version).tags["training_run_id"])
+    assert training.data.tags["kiln.model_sha256"] == first.model.sha256 and training.info.status == "FINISHED"
+    assert training.data.params["model.training.steps"] == "300" and training.data.metrics["train.eval_perplexity"] > 1
+    assert len(client.get_metric_history(training.info.run_id, "train.loss")) == len(first.model.loss_curve)
+    assert [a.path for a in client.list_artifacts(training.info.run_id, "plots")] == ["plots/loss.png"]
+    assert f"([training run](#/experiments/{training.info.experiment_id}/runs/{training.info.run_id}))" in page
 
     promote(target, CHAMPION, version=first.challenger.registration.version)
     # Same model, wider batch profile: a new engine of equal quality. The latency budget is
@@ -234,6 +241,7 @@ def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_cha
     second = retrain_and_rebuild(wider, flow_project)
     registered = second.challenger.registration
     assert registered.created and registered.version != first.challenger.registration.version
+    assert version_tags_of(client, registered.version)["training_run_id"] == training.info.run_id  # one model, one training run
     champion_gate = second.challenger.against_champion
     assert champion_gate.passed and champion_gate.measured["nll_increase_vs_champion_pct"] == 0
     assert version_tags_of(client, registered.version)["gates.champion.passed"] == "true"
