@@ -238,6 +238,29 @@ class LatencyGateParams(_Section):
     max_p95_ms: float = Field(500.0, gt=0)  # the default model takes ~10 ms; this catches a broken build
 
 
+class ServingScenario(_Section):
+    """Clients sending requests back to back through the server's scheduler, each request
+    `prompt_tokens` + `new_tokens`; the budgets are p95 / p99 limits in milliseconds."""
+
+    name: str = Field(pattern=r"^[a-z0-9_]+$")
+    clients: int = Field(ge=1, le=256)
+    requests: int = Field(ge=1)  # per client
+    prompt_tokens: int = Field(32, ge=1)
+    new_tokens: int = Field(32, ge=1)
+    max_ttft_p95_ms: float = Field(gt=0)
+    max_tpot_p95_ms: float = Field(gt=0)
+    max_request_p99_ms: float = Field(gt=0)
+
+
+class ServingGateParams(_Section):
+    # The default model answers a lone 32+32 request in ~10 ms and 16 at once in ~70 ms on 2
+    # cores: like the latency gate's, these budgets catch a broken engine or scheduler.
+    scenarios: list[ServingScenario] = [
+        ServingScenario(name="single", clients=1, requests=8, max_ttft_p95_ms=100, max_tpot_p95_ms=20, max_request_p99_ms=500),
+        ServingScenario(name="concurrent", clients=16, requests=2, max_ttft_p95_ms=1000, max_tpot_p95_ms=50, max_request_p99_ms=2000),
+    ]
+
+
 class ChampionGateParams(_Section):
     """How much worse than the engine being served (`champion`) a new engine may be, each
     measured on this run's data in this run; in percent."""
@@ -251,6 +274,7 @@ class GateParams(_Section):
     quality: QualityGateParams = QualityGateParams()
     text: TextGateParams = TextGateParams()
     latency: LatencyGateParams = LatencyGateParams()
+    serving: ServingGateParams = ServingGateParams()
     champion: ChampionGateParams = ChampionGateParams()
 
 
@@ -330,6 +354,9 @@ def shape_problems(params: Params) -> list[str]:
         (latency.prompt_tokens + latency.new_tokens <= context, f"gates.latency.prompt_tokens + new_tokens ({latency.prompt_tokens + latency.new_tokens}) exceeds build.profiles.context.max ({context})"),
         (params.sample.max_tokens < context, f"sample.max_tokens ({params.sample.max_tokens}) leaves no room for a prompt in build.profiles.context.max ({context})"),
     ]
+    for s in params.gates.serving.scenarios:
+        checks.append((s.prompt_tokens <= profiles.prompt.max, f"gates.serving scenario {s.name}: prompt_tokens ({s.prompt_tokens}) exceeds build.profiles.prompt.max ({profiles.prompt.max})"))
+        checks.append((s.prompt_tokens + s.new_tokens <= context, f"gates.serving scenario {s.name}: prompt_tokens + new_tokens ({s.prompt_tokens + s.new_tokens}) exceeds build.profiles.context.max ({context})"))
     if params.model.pretrained is None:
         n_positions = params.model.architecture.n_positions
         checks.append((context <= n_positions, f"build.profiles.context.max ({context}) is longer than the model's context, model.architecture.n_positions ({n_positions})"))

@@ -96,19 +96,27 @@ _LIMITS = {
 
 
 def limit_text(measure: str, thresholds: dict[str, float]) -> str:
-    if measure not in _LIMITS or _LIMITS[measure][0] not in thresholds:
-        return ""
-    key, direction = _LIMITS[measure]
-    return f"{direction} {thresholds[key]:g}"
+    bound = _bound(measure, thresholds)
+    return "" if bound is None else f"{bound[1]} {thresholds[bound[0]]:g}"
+
+
+def _bound(measure: str, thresholds: dict[str, float]) -> tuple[str, str] | None:
+    """The threshold key that bounds `measure` and its direction: from _LIMITS, else the
+    convention that `max_<measure>` is an upper bound (the serving gate's per-scenario
+    budgets)."""
+    key, direction = _LIMITS.get(measure, (f"max_{measure}", "<="))
+    return (key, direction) if key in thresholds else None
 
 
 def _failure_line(name: str, measured: dict[str, float], thresholds: dict[str, float]) -> str:
     broken = []
-    for measure, (key, direction) in _LIMITS.items():
-        if measure in measured and key in thresholds:
-            ok = measured[measure] >= thresholds[key] if direction == ">=" else measured[measure] <= thresholds[key]
-            if not ok:
-                broken.append(f"{measure} {measured[measure]:.4g} (limit {direction} {thresholds[key]:g})")
+    for measure, value in measured.items():
+        bound = _bound(measure, thresholds)
+        if bound is None:
+            continue
+        key, direction = bound
+        if not (value >= thresholds[key] if direction == ">=" else value <= thresholds[key]):
+            broken.append(f"{measure} {value:.4g} (limit {direction} {thresholds[key]:g})")
     return f"{name}: " + ", ".join(broken)
 
 

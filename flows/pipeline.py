@@ -32,6 +32,7 @@ from components.train import model_from_data, write_loss_plot
 from components.workspace import Workspace
 from flows.caching import CachedStage
 from flows.lineage import git_commit, run_record, training_record
+from flows.serving_gate import serving_gate
 from registry import (
     CHALLENGER,
     CHAMPION,
@@ -93,6 +94,7 @@ register = task(name="register-engine", retries=1, retry_delay_seconds=2)(regist
 set_challenger = task(name="alias-challenger", retries=1, retry_delay_seconds=2)(promote)
 sample = task(name="sample-completion")(sample_from_registry)
 champion_check = task(name="champion-gate")(compare_with_champion)  # not cached: the champion moves
+serving_check = task(name="serving-gate")(serving_gate)  # under a second: timing is not worth caching
 
 
 @task(name="log-training-run", retries=1, retry_delay_seconds=2)
@@ -187,7 +189,7 @@ def _engine_for(
     graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
-    report = gated.report
+    report = GateReport((*gated.report.gates, serving_check(engine, data.texts("eval"), params.gates, params.serving.threads)))
     champion = alias_version(target, CHAMPION)
     is_champion = champion is not None and (champion.tags.get("engine_sha256"), champion.tags.get("profiles_sha256")) == (
         engine.sha256, engine.manifest.profiles_sha256

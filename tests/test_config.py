@@ -67,3 +67,9 @@ def test_heads_must_divide_the_width(tmp_path):
 def test_digest_changes_with_any_parameter():
     assert Params().digest() != Params.model_validate({"sample": {"max_tokens": 7}}).digest()
     assert Params().digest() == Params().digest()
+
+
+def test_a_serving_gate_scenario_past_the_profiles_is_named(tmp_path):
+    scenario = "{name: long, clients: 2, requests: 1, prompt_tokens: 200, new_tokens: 100, max_ttft_p95_ms: 1, max_tpot_p95_ms: 1, max_request_p99_ms: 1}"
+    with pytest.raises(ConfigError, match=r"gates.serving scenario long: prompt_tokens \(200\) exceeds build.profiles.prompt.max \(128\)"):
+        load_params(write(tmp_path, f"gates:\n  serving:\n    scenarios: [{scenario}]\n"))

@@ -273,3 +273,26 @@ def test_eval_windows_are_cut_in_order_and_too_little_text_is_named(engine_dir):
     assert two.tolist() == [stream[:16], stream[16:32]] and two.dtype == np.int64
     with pytest.raises(DataError, match=f"the eval split has {len(stream)} tokens, fewer than one window of {len(stream) + 1}"):
         eval_windows(tokenizer, [text], QualityGateParams(sequences=1, sequence_length=len(stream) + 1))
+
+
+# ---------------------------------------------------------------- the serving gate
+
+
+def test_the_serving_gate_measures_each_scenario_through_the_scheduler_against_its_budgets(engine_dir, data_version, params):
+    from components.config import ServingGateParams, ServingScenario
+    from flows.serving_gate import serving_gate
+
+    scenarios = [
+        ServingScenario(name="single", clients=1, requests=3, prompt_tokens=8, new_tokens=6, max_ttft_p95_ms=1e4, max_tpot_p95_ms=1e4, max_request_p99_ms=1e4),
+        ServingScenario(name="busy", clients=4, requests=2, prompt_tokens=8, new_tokens=6, max_ttft_p95_ms=1e4, max_tpot_p95_ms=1e4, max_request_p99_ms=1e-3),
+    ]
+    gates = params.gates.model_copy(update={"serving": ServingGateParams(scenarios=scenarios)})
+    result = serving_gate(engine_dir, data_version.texts("eval"), gates, threads=1)
+    measured = result.measured
+    for name in ("single", "busy"):
+        assert 0 < measured[f"{name}.ttft_p50_ms"] <= measured[f"{name}.ttft_p95_ms"] < measured[f"{name}.request_p99_ms"]
+        assert 0 < measured[f"{name}.tpot_p50_ms"] <= measured[f"{name}.tpot_p95_ms"]
+    assert result.thresholds["max_busy.request_p99_ms"] == 1e-3
+    assert not result.passed  # the busy scenario's 1 µs budget
+    assert GateReport((result,)).failures() == [f"serving: busy.request_p99_ms {measured['busy.request_p99_ms']:.4g} (limit <= 0.001)"]
+    assert limit_text("single.ttft_p95_ms", result.thresholds) == "<= 10000"
