@@ -22,7 +22,7 @@ from components.data import DataVersion, data_version_from_source
 from components.engine_dir import EngineDir
 from components.errors import GateFailed, KilnError
 from components.export import ExportedOnnx, onnx_from_model
-from components.gates import GateReport, GateResult, fastest_passing, gated_engine
+from components.gates import GateReport, GateResult, fastest_passing, gated_engine, write_report
 from components.model_dir import TrainedModel, check_fits_model, model_from_directory
 from components.precision import precision_onnx
 from components.runtime import open_engine
@@ -197,14 +197,17 @@ def _engine_for(
     compared = None
     if champion is not None and not is_champion:
         compared = champion_check(engine, champion, data, params.gates, target, workspace.serving_cache)
-    _publish_report(precision, report, compared)
-    record = run_record(params, model, onnx, engine, report, gated.directory, calibration, git_commit(workspace.root), champion, compared, training)
+    report_dir = _publish_report(precision, report, compared, workspace.stage_dir("reports") / f"gates-{precision}-{engine.sha256[:16]}")
+    record = run_record(params, model, onnx, engine, report, report_dir, calibration, git_commit(workspace.root), champion, compared, training)
     registration = register(target, engine.path, engine.sha256, record)
     return EngineOutcome(precision, engine, report, registration, compared)
 
 
-def _publish_report(precision: str, report: GateReport, against_champion: GateResult | None) -> None:
+def _publish_report(precision: str, report: GateReport, against_champion: GateResult | None, directory: Path) -> Path:
+    """Every gate of this run (the cached gate stage's and those measured in the run) as
+    Prefect artifacts and as the report files the registered run keeps; returns their folder."""
     everything = GateReport((*report.gates, against_champion)) if against_champion else report
+    write_report(everything, directory)
     create_markdown_artifact(everything.to_markdown(), key=f"gate-report-{precision}", description=f"Gates of the {precision} engine")
     rows = [
         {"gate": gate.name, "measure": measure, "value": round(value, 6), "passed": gate.passed}
@@ -215,3 +218,4 @@ def _publish_report(precision: str, report: GateReport, against_champion: GateRe
     get_run_logger().info("%s gates %s", precision, "passed" if report.passed else "FAILED: " + "; ".join(report.failures()))
     if against_champion is not None and not against_champion.passed:
         get_run_logger().info("%s is not a challenger: %s", precision, "; ".join(GateReport((against_champion,)).failures()))
+    return directory
