@@ -71,6 +71,7 @@ def run_record(
         description=version_description(params, model, engine, report, calibration, git_commit, champion, against_champion, training),
         artifacts=artifacts,
         datasets=tuple(datasets),
+        run_tags={"kiln.training_run_id": training.run_id} if training else {},
     )
 
 

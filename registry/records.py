@@ -36,6 +36,7 @@ class RunRecord:
     metrics: dict[str, float]
     version_tags: dict[str, str]
     description: str = ""  # markdown for the version page; the registry adds the run's link
+    run_tags: dict[str, str] = field(default_factory=dict)
     artifacts: dict[str, Path] = field(default_factory=dict)  # artifact path → local dir or file
     step_metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     datasets: tuple[DatasetRecord, ...] = ()

@@ -239,6 +239,8 @@ def _log_record(client, run_id: str, record: RunRecord) -> None:
         client.log_batch(run_id, metrics=metrics[start : start + 100], params=params[start : start + 100])
     if record.datasets:
         client.log_inputs(run_id, datasets=[_dataset_input(d) for d in record.datasets])
+    for key, value in record.run_tags.items():
+        client.set_tag(run_id, key, value)
     for artifact_path, local in record.artifacts.items():
         if local.is_dir():
             client.log_artifacts(run_id, str(local), artifact_path)

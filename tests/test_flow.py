@@ -233,6 +233,7 @@ def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_cha
     assert len(client.get_metric_history(training.info.run_id, "train.loss")) == len(first.model.loss_curve)
     assert [a.path for a in client.list_artifacts(training.info.run_id, "plots")] == ["plots/loss.png"]
     assert f"([training run](#/experiments/{training.info.experiment_id}/runs/{training.info.run_id}))" in page
+    assert run.data.tags["kiln.training_run_id"] == training.info.run_id  # the engine's run points to it too
 
     promote(target, CHAMPION, version=first.challenger.registration.version)
     # Same model, wider batch profile: a new engine of equal quality. The latency budget is
