@@ -221,8 +221,10 @@ def lineage(
 
 
 def _registry(params_file: Path):
+    """The project's registry, with kiln's environment set (no MLflow download bars)."""
     from registry import registry_target
 
+    _prepare_environment(Path.cwd())
     return registry_target(_load(params_file).registry, Path.cwd())
 
 
