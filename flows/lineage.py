@@ -155,7 +155,8 @@ def _champion_section(report: GateReport, champion: VersionInfo | None) -> list[
         if theirs is None:
             continue
         ours, theirs_value = float(f"{value:.6g}"), float(theirs)  # as the tags hold both
-        change = f"{ours - theirs_value:+.4g}" + (f" ({(ours - theirs_value) / abs(theirs_value):+.1%})" if theirs_value else "")
+        relative = theirs_value and not name.endswith("_pct")  # a percent of a percent says nothing
+        change = f"{ours - theirs_value:+.4g}" + (f" ({(ours - theirs_value) / abs(theirs_value):+.1%})" if relative else "")
         rows.append(f"| {name.removeprefix('gates.')} | {ours:.6g} | {theirs_value:.6g} | {change} |")
     return [
         f"### Beside the champion (version {champion.version}, at registration)",
