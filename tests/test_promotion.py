@@ -99,7 +99,7 @@ def test_lineage_reads_the_chain_and_the_moves_of_a_version(registry_target, ver
         version_lineage(registry_target, "99")
 
 
-def test_kiln_lineage_prints_the_chain_from_data_to_aliases(registry_target, versions, tmp_path):
+def test_kiln_lineage_prints_the_chain_and_rollback_and_promote_refuse_with_exit_2(registry_target, versions, tmp_path):
     promote(registry_target, CHAMPION, version=versions[0], by=PERSON, reason="first")
     params = tmp_path / "params.yaml"
     params.write_text(
@@ -112,3 +112,8 @@ def test_kiln_lineage_prints_the_chain_from_data_to_aliases(registry_target, ver
     assert "became @champion (by ada@lab: first)" in out
     missing = subprocess.run([KILN, "lineage", "99", "--params", str(params)], capture_output=True, text=True, cwd=tmp_path)
     assert missing.returncode == 2 and "has no version 99" in missing.stderr
+    nowhere = subprocess.run([KILN, "rollback", "--params", str(params)], capture_output=True, text=True, cwd=tmp_path)
+    assert nowhere.returncode == 2 and "no earlier version of it is recorded" in " ".join(nowhere.stderr.split())
+    unforced = subprocess.run([KILN, "promote", "--version", versions[2], "--params", str(params)], capture_output=True, text=True, cwd=tmp_path)
+    assert unforced.returncode == 2 and "did not pass its gates" in " ".join(unforced.stderr.split())
+    assert resolve_alias(registry_target, CHAMPION).version == versions[0]  # neither moved it
