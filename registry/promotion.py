@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from components.errors import RegistryError, VersionRefused
 from registry.records import RegistryTarget, VersionInfo
-from registry.store import CHALLENGER, CHAMPION, _client, _version_info, download_version, get_version, resolve_alias, store_lock
+from registry.store import CHALLENGER, CHAMPION, _client, _version_info, alias_version, download_version, get_version, resolve_alias, store_lock
 from registry.verify import FORCED_REASON, check_gates, verify_download
 
 FORCED_BY, FORCED_AT = "promotion.forced_by", "promotion.forced_at"
@@ -66,7 +66,7 @@ def promote(
     verify_download(info, lambda destination: download_version(target, info.version, destination))
     client = _client(target)
     with store_lock(target):
-        previous = _alias_version(client, target, to_alias)
+        previous = _version_of(alias_version(target, to_alias))
         _call(lambda: client.set_registered_model_alias(target.model_name, to_alias, info.version), f"set {target.model_name}@{to_alias}")
         try:
             if forced:
@@ -85,7 +85,7 @@ def rollback(target: RegistryTarget, by: str, alias: str = CHAMPION, reason: str
     checks as a promotion; returns that version and the one it replaced. The rollback is a
     move of its own, so rolling back twice returns to where it started."""
     history = alias_history(target, alias)
-    current = _alias_version(_client(target), target, alias)
+    current = _version_of(alias_version(target, alias))
     if current is None:
         raise RegistryError(f"{target.model_name}@{alias} names no version: there is nothing to roll back")
     back_to = _version_before(history, current)
@@ -145,14 +145,8 @@ def _record_move(client, target: RegistryTarget, alias: str, version: str, previ
     _call(lambda: client.set_registered_model_tag(target.model_name, move.tag, json.dumps(record)), f"record the move of @{alias}")
 
 
-def _alias_version(client, target: RegistryTarget, alias: str) -> str | None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = client.get_registered_model(target.model_name).aliases.get(alias)
-    except MlflowException as err:
-        raise RegistryError(f"cannot read {target.model_name}: {err.message}") from err
-    return None if version is None else str(version)
+def _version_of(info: VersionInfo | None) -> str | None:
+    return None if info is None else info.version
 
 
 def _restore_alias(client, target: RegistryTarget, alias: str, version: str | None) -> None:

@@ -159,8 +159,8 @@ def store_lock(target: RegistryTarget) -> Iterator[None]:
 def _with_run_link(client, description: str, run_id: str) -> str:
     """The version page links to the run that registered it (a fragment link, so it works
     wherever the UI is served)."""
-    experiment_id = client.get_run(run_id).info.experiment_id
-    return f"{description.rstrip()}\n\nRegistered by [run {run_id[:12]}](#/experiments/{experiment_id}/runs/{run_id}/artifacts).\n"
+    run = RunLink(run_id, client.get_run(run_id).info.experiment_id)
+    return f"{description.rstrip()}\n\nRegistered by [run {run_id[:12]}]({run.ui_fragment}/artifacts).\n"
 
 
 def _create_run(client, target: RegistryTarget, engine_sha256: str) -> str:

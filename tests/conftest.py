@@ -7,7 +7,9 @@ module imports prefect or transformers, so nothing is written to the user's home
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -182,6 +184,17 @@ def registry_target(tmp_path):
     from registry import RegistryTarget
 
     return RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test", "kiln-test", tmp_path / "artifacts")
+
+
+def engine_with_more_rows(engine_dir, destination: Path, extra_rows: int) -> Path:
+    """A copy of an engine directory whose batch profile allows `extra_rows` more rows: the
+    same engine file, yet another engine to the registry (its profiles differ)."""
+    shutil.copytree(engine_dir.path, destination)
+    manifest = json.loads((destination / "engine.json").read_text())
+    for phase in manifest["profiles"].values():
+        phase["batch"]["max"] += extra_rows
+    (destination / "engine.json").write_text(json.dumps(manifest))
+    return destination
 
 
 class EosAfter(Engine):

@@ -2,8 +2,6 @@
 made through kiln is recorded on the registered model, rollback returns to the version
 before, and lineage reads the chain back. On a real embedded MLflow store."""
 
-import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +13,7 @@ from components.errors import RegistryError
 from registry import CHAMPION, alias_history, get_version, promote, register_engine, resolve_alias, rollback, version_lineage
 from serving.loader import pull_version
 
+from .conftest import engine_with_more_rows
 from .test_registry import record
 
 PERSON = "ada@lab"
@@ -27,12 +26,7 @@ def versions(registry_target, engine_dir, tmp_path) -> list[str]:
     engines to the registry); the third failed its gates."""
     made = []
     for index, passed in enumerate((True, True, False)):
-        variant = tmp_path / f"variant-{index}"
-        shutil.copytree(engine_dir.path, variant)
-        manifest = json.loads((variant / "engine.json").read_text())
-        for phase in manifest["profiles"].values():
-            phase["batch"]["max"] += index
-        (variant / "engine.json").write_text(json.dumps(manifest))
+        variant = engine_with_more_rows(engine_dir, tmp_path / f"variant-{index}", extra_rows=index)
         made.append(register_engine(registry_target, variant, engine_dir.sha256, record(passed=passed, **{"gates.quality.top1_agreement": "0.5"})).version)
     return made
 

@@ -1,7 +1,6 @@
 """The MLflow registry on a temporary SQLite store: versions, tags, aliases, downloads."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,8 @@ from registry import (
     register_engine,
     resolve_alias,
 )
+
+from .conftest import engine_with_more_rows
 
 
 def record(passed: bool = True, **tags) -> RunRecord:
@@ -69,12 +70,7 @@ def test_the_same_engine_file_with_another_batch_profile_is_a_new_version(regist
     byte; registering it must not answer "unchanged" with the old version, whose engine.json
     would keep the server at the old batch."""
     first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
-    wider = tmp_path / "wider"
-    shutil.copytree(engine_dir.path, wider)
-    manifest = json.loads((wider / "engine.json").read_text())
-    for phase in manifest["profiles"].values():
-        phase["batch"]["max"] *= 2
-    (wider / "engine.json").write_text(json.dumps(manifest))
+    wider = engine_with_more_rows(engine_dir, tmp_path / "wider", extra_rows=engine_dir.manifest.profiles["generation"].batch.max)
     second = register_engine(registry_target, wider, engine_dir.sha256, record())
     assert second.created and second.version != first.version
     profiles = {v: get_version(registry_target, v).tags["profiles_sha256"] for v in (first.version, second.version)}

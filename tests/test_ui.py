@@ -10,7 +10,6 @@ as a screenshot (KILN_SCREENSHOT_DIR, when set, gets a copy: the README's is one
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -27,6 +26,7 @@ from registry import CHAMPION, RegistryTarget, RunRecord, get_version, promote, 
 from serving.app import VERSION_HEADER, ServerSettings, create_app
 from serving.sources import AliasSource
 
+from .conftest import engine_with_more_rows
 from .live_server import LiveServer, mlflow_server
 from .test_registry import record
 from .test_serving import SECRET, metrics_of, wait_for_version
@@ -55,12 +55,7 @@ def registry(tmp_path, engine_dir, tiny_model, params, report) -> tuple[Registry
     write_report(report, reports)
     versions: list[str] = []
     for index, passed in enumerate((True, True, False)):
-        variant = tmp_path / f"engine-{index}"
-        shutil.copytree(engine_dir.path, variant)
-        manifest = json.loads((variant / "engine.json").read_text())
-        for phase in manifest["profiles"].values():
-            phase["batch"]["max"] += index
-        (variant / "engine.json").write_text(json.dumps(manifest))
+        variant = engine_with_more_rows(engine_dir, tmp_path / f"engine-{index}", extra_rows=index)
         tags = record(passed=passed).version_tags | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()}
         champion = get_version(target, versions[0]) if versions else None
         description = version_description(params, tiny_model, load_engine_dir(variant), report, None, "0" * 40, champion)
