@@ -4,10 +4,12 @@ saved as Parquet with a manifest and versioned by DVC (`data.dvc`)."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import glob
 import json
 import logging
 import re
+import shutil
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -15,14 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from components.config import (
-    CorpusSource,
-    CPythonDocsSource,
-    DataParams,
-    HFDatasetSource,
-    TextFilesSource,
-    section_digest,
-)
+from components.config import CorpusSource, CPythonDocsSource, DataParams, HFDatasetSource, TextFilesSource, section_digest
 from components.errors import DataError
 from components.files import file_sha256, text_sha256
 
@@ -106,14 +101,65 @@ def _docstrings(path: Path) -> Iterator[str]:
 
 
 def _text_file_documents(root: Path, pattern: str) -> Iterator[str]:
-    paths = sorted(glob.glob(str(root / pattern), recursive=True))
-    if not paths:
-        raise DataError(f"data.source.glob {pattern!r} matched no files under {root}")
-    for path in paths:
+    for path in corpus_files(root, pattern):
         try:
             yield Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise DataError(f"cannot read corpus file {path}: {err}") from err
+
+
+def corpus_files(root: Path, pattern: str) -> list[Path]:
+    """The files a text-files corpus holds, in a deterministic order."""
+    paths = sorted(Path(p) for p in glob.glob(str(root / pattern), recursive=True) if Path(p).is_file())
+    if not paths:
+        raise DataError(f"data.source.glob {pattern!r} matched no files under {root}")
+    return paths
+
+
+def source_digest(source: CorpusSource, root: Path) -> str | None:
+    """sha256 over a text-files corpus (each file's path and content), so that a grown or
+    edited corpus is a new data version even though params.yaml did not change. None for
+    sources whose content kiln cannot hash cheaply (the Python docs, a dataset)."""
+    if not isinstance(source, TextFilesSource):
+        return None
+    lines = [f"{path.relative_to(root).as_posix()} {file_sha256(path)}" for path in corpus_files(root, source.glob)]
+    return text_sha256("\n".join(lines))
+
+
+def corpus_folder(source: TextFilesSource, root: Path) -> Path:
+    """Where `kiln data add` puts new files: the glob's folder part (`corpus/**/*.txt` →
+    corpus/). Only a glob whose folders are fixed or `**` names one folder to add to."""
+    *folders, _ = Path(source.glob).parts
+    if any(glob.has_magic(part) and part != "**" for part in folders):
+        raise DataError(f"kiln data add cannot choose a folder for data.source.glob {source.glob!r}: use fixed folders or **, e.g. corpus/**/*.txt")
+    return root.joinpath(*[part for part in folders if part != "**"])
+
+
+def add_to_corpus(paths: list[Path], source: CorpusSource, root: Path) -> list[Path]:
+    """Copy text files into a text-files corpus; returns the files written (a file already
+    there with the same content is skipped). Refuses a source of another kind, a file that
+    is not UTF-8 text, a name taken by other content, and a name the glob would not match."""
+    if not isinstance(source, TextFilesSource):
+        raise DataError(f"kiln data add grows a text-files corpus; data.source.kind is {source.kind!r} "
+                        "(set data.source to {kind: text-files, glob: \"corpus/**/*.txt\"} in params.yaml)")  # fmt: skip
+    folder, pattern = corpus_folder(source, root), Path(source.glob).name
+    planned: list[tuple[Path, Path]] = []
+    for path in paths:
+        try:
+            path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataError(f"cannot add {path}: not a readable UTF-8 text file ({err})") from err
+        if not fnmatch.fnmatch(path.name, pattern):
+            raise DataError(f"{path.name} does not match {pattern!r} of data.source.glob {source.glob!r}: the corpus would not read it")
+        destination = folder / path.name
+        if destination.is_file() and file_sha256(destination) != file_sha256(path):
+            raise DataError(f"{destination} already exists with other content; rename {path.name} to add it")
+        if not destination.is_file():
+            planned.append((path, destination))
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, destination in planned:
+        shutil.copyfile(path, destination)
+    return [destination for _, destination in planned]
 
 
 def _hf_documents(source: HFDatasetSource) -> Iterator[str]:
@@ -191,7 +237,7 @@ def splits_from_passages(passages: list[str], params: DataParams) -> dict[str, l
 # ---------------------------------------------------------------- writing and versioning
 
 
-def write_splits(splits: dict[str, list[str]], data_dir: Path, source: CorpusSource, params_sha256: str) -> None:
+def write_splits(splits: dict[str, list[str]], data_dir: Path, source: CorpusSource, recipe: dict[str, str]) -> None:
     """Parquet per split (a datasets.DatasetDict) and a manifest without timestamps, so the
     same corpus always hashes to the same DVC version."""
     import datasets
@@ -202,7 +248,7 @@ def write_splits(splits: dict[str, list[str]], data_dir: Path, source: CorpusSou
         if stale.is_file():
             stale.unlink()
     dataset = datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": rows}) for name, rows in splits.items()})
-    manifest = {"source": source.model_dump(mode="json"), "params_sha256": params_sha256, "splits": {}}
+    manifest = {"source": source.model_dump(mode="json"), **recipe, "splits": {}}
     for name, split in dataset.items():
         path = data_dir / f"{name}.parquet"
         split.to_parquet(str(path))
@@ -232,12 +278,21 @@ def _dvc_repo(root: Path):
         raise DataError(f"{root} is not a DVC repository (run `dvc init` there)") from err
 
 
-def _manifest_matches(data_dir: Path, params_sha256: str) -> bool:
+def data_recipe(params: DataParams, root: Path) -> dict[str, str]:
+    """What a data version is made from, as its manifest records it: the data params and,
+    for a text-files corpus, the files' digest."""
+    recipe = {"params_sha256": section_digest(params)}
+    if (digest := source_digest(params.source, root)) is not None:
+        recipe["source_sha256"] = digest
+    return recipe
+
+
+def _manifest_matches(data_dir: Path, recipe: dict[str, str]) -> bool:
     try:
         manifest = json.loads((data_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return manifest.get("params_sha256") == params_sha256 and all(
+    return all(manifest.get(key) == value for key, value in recipe.items()) and all(
         (data_dir / f"{name}.parquet").is_file() for name in SPLITS
     )
 
@@ -267,17 +322,38 @@ def _try_pull(repo, dvc_file: Path) -> None:
 
 def data_version_from_source(params: DataParams, root: Path) -> DataVersion:
     """The versioned data for these params: reused when data/ already matches, pulled from
-    the DVC remote when data.dvc names it, otherwise built from the source and `dvc add`ed."""
+    the DVC remote when data.dvc names it, otherwise built from the source and `dvc add`ed.
+
+    data.dvc is the truth a run follows (a checkout reproduces its data version), so a
+    text-files corpus edited since is reported, not silently rebuilt: `kiln data add` (or
+    `data_version_from_corpus`) makes the new version."""
+    data_dir = root / params.path
+    version = _versioned_data(params, root, {"params_sha256": section_digest(params)})
+    try:
+        corpus = source_digest(params.source, root)
+    except DataError:  # the corpus is not here (the data came from the remote): nothing to compare
+        corpus = None
+    if corpus is not None and version.manifest().get("source_sha256") != corpus:
+        _log.warning("the corpus %s changed since data version %s was made; `kiln data add` versions it", params.source.glob, version.md5[:12])
+    return DataVersion(path=data_dir, md5=version.md5)
+
+
+def data_version_from_corpus(params: DataParams, root: Path) -> DataVersion:
+    """The data version of the corpus as it is now: rebuilt and `dvc add`ed when its files
+    changed since data.dvc's version was made (what `kiln data add` runs)."""
+    return _versioned_data(params, root, data_recipe(params, root))
+
+
+def _versioned_data(params: DataParams, root: Path, recipe: dict[str, str]) -> DataVersion:
     data_dir = root / params.path
     dvc_file = data_dir.with_suffix(".dvc")
-    params_sha256 = section_digest(params)
     repo = _dvc_repo(root)
     try:
-        if not (_manifest_matches(data_dir, params_sha256) and _tracked_and_clean(repo, dvc_file)):
+        if not (_manifest_matches(data_dir, recipe) and _tracked_and_clean(repo, dvc_file)):
             if dvc_file.is_file():
                 _try_pull(repo, dvc_file)
-            if not (_manifest_matches(data_dir, params_sha256) and _tracked_and_clean(repo, dvc_file)):
-                _build_and_track(repo, params, root, params_sha256)
+            if not (_manifest_matches(data_dir, recipe) and _tracked_and_clean(repo, dvc_file)):
+                _build_and_track(repo, params, root, data_recipe(params, root))
         if params.dvc_push:
             _push(repo, dvc_file)
     finally:
@@ -285,12 +361,12 @@ def data_version_from_source(params: DataParams, root: Path) -> DataVersion:
     return DataVersion(path=data_dir, md5=dvc_md5(dvc_file))
 
 
-def _build_and_track(repo, params: DataParams, root: Path, params_sha256: str) -> None:
+def _build_and_track(repo, params: DataParams, root: Path, recipe: dict[str, str]) -> None:
     from dvc.exceptions import DvcException
 
     data_dir = root / params.path
     passages = clean_documents(documents_from_source(params.source, root), params.min_chars, params.max_chars)
-    write_splits(splits_from_passages(passages, params), data_dir, params.source, params_sha256)
+    write_splits(splits_from_passages(passages, params), data_dir, params.source, recipe)
     try:
         repo.add(str(data_dir))
     except DvcException as err:
