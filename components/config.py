@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from cronsim import CronSim, CronSimError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from components.errors import ConfigError
 
@@ -317,6 +320,42 @@ class ServingParams(_Section):
     threads: int | None = Field(1, ge=1)
 
 
+class TriggerParams(_Section):
+    """`kiln deploy`: what starts a retrain-and-rebuild by itself, and how triggers that
+    arrive while one runs are treated."""
+
+    schedule: str | None = None  # cron, e.g. "0 3 * * *" (daily at 03:00); null: no schedule
+    timezone: str = "UTC"
+    on_data_change: bool = True  # `kiln data add`, and data.dvc moved behind kiln's back
+    on_promotion: bool = True  # an alias set in MLflow → the verify-promotion flow
+    verify_aliases: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]+$")]] = ["champion"]
+    data_poll_interval_s: float = Field(10.0, ge=0)  # how often data.dvc is compared; 0: never
+    # One rebuild runs at a time. "queue-one": a trigger during a run queues one more (later
+    # triggers join it: it will see their data); "drop": triggers during a run are dropped.
+    overlap: Literal["queue-one", "drop"] = "queue-one"
+    webhook_host: str = "127.0.0.1"  # where `kiln deploy` receives MLflow's alias webhooks
+    webhook_port: int = Field(8100, ge=1, le=65535)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, timezone: str) -> str:
+        try:
+            ZoneInfo(timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"{timezone!r} is not an IANA time zone (e.g. UTC, Europe/Berlin)") from None
+        return timezone
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, schedule: str | None) -> str | None:
+        if schedule is not None:
+            try:
+                CronSim(schedule, datetime.now())  # the cron parser Prefect's schedules use
+            except CronSimError as err:
+                raise ValueError(f"{schedule!r} is not a cron expression ({err}); e.g. \"0 3 * * *\" is daily at 03:00") from None
+        return schedule
+
+
 class Params(_Section):
     data: DataParams = DataParams()
     model: ModelParams = ModelParams()
@@ -328,6 +367,7 @@ class Params(_Section):
     registry: RegistryParams = RegistryParams()
     sample: SampleParams = SampleParams()
     serving: ServingParams = ServingParams()
+    triggers: TriggerParams = TriggerParams()
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> Params:
@@ -395,4 +435,6 @@ def _describe_one(error: dict) -> str:
         return f"{where}: unknown key"
     if not where:  # a check across sections: its message names the keys
         return str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "value_error":  # a check of ours: its message names the value
+        return f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
     return f"{where}: {error['msg']} (got {error.get('input')!r})"

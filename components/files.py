@@ -37,6 +37,13 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small file so that a reader sees the old content or the new, never half."""
+    partial = path.with_name(f".{path.name}{_PARTIAL}{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 @contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
     """A scratch directory beside `target` that becomes `target` only if the block succeeds.

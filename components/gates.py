@@ -353,6 +353,15 @@ def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[st
         return gate_report(engine, load_model(reference_path), eval_texts, params)
 
 
+def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams) -> GateResult:
+    """The quality gate alone, for an engine already open (what `verify-promotion` re-runs
+    on the machine it runs on)."""
+    from components.model_dir import load_model
+
+    windows = eval_windows(EngineTokenizer(engine.engine_dir.path), eval_texts, params)
+    return quality_gate(engine, load_model(reference_path), windows, params)
+
+
 @dataclass(frozen=True)
 class GatedEngine:
     """The gate stage's output: the report and the folder holding its files."""

@@ -348,6 +348,61 @@ def up(
         serve_uis(root, _load(params_file), mlflow_port, prefect_port)
 
 
+@app.command()
+def deploy(
+    params_file: ParamsOption = Path("params.yaml"),
+    prefect_url: Annotated[str | None, typer.Option(help="Prefect API (default: PREFECT_API_URL, else kiln up's http://127.0.0.1:4200/api)")] = None,
+    mlflow_url: Annotated[str | None, typer.Option(help="MLflow server that delivers alias webhooks (default: registry.tracking_uri if a server, else kiln up's http://127.0.0.1:5000)")] = None,
+) -> None:
+    """Serve the Prefect deployments: rebuild on a schedule and on data changes, verify-promotion on alias changes."""
+    from flows.deploy import DeploySettings, serve_deployments
+
+    root = Path.cwd()
+    _prepare_environment(root)
+    with _one_line_errors():
+        params = _load(params_file)
+        settings = DeploySettings(
+            prefect_api_url=prefect_url or os.environ.get("PREFECT_API_URL") or "http://127.0.0.1:4200/api",
+            mlflow_url=mlflow_url or _mlflow_server(params.registry.tracking_uri),
+        )
+        serve_deployments(root, str(params_file), params, settings)
+
+
+def _mlflow_server(tracking_uri: str | None) -> str:
+    return tracking_uri if tracking_uri and tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+
+
+data_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The versioned corpus.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("add")
+def data_add(
+    paths: Annotated[list[Path], typer.Argument(help="text files to add to the corpus")],
+    params_file: ParamsOption = Path("params.yaml"),
+) -> None:
+    """Add text files to the text-files corpus, version it with DVC (add + push), announce the change to Prefect."""
+    from flows.data_changes import add_data, announce_data_change
+    from flows.events import EventNotDelivered
+
+    root = Path.cwd()
+    _prepare_environment(root)
+    with _one_line_errors():
+        params = _load(params_file)
+        written, change = add_data(root, params, paths)
+        render.console.print(f"added {len(written)} file(s) to the corpus" + (f": {', '.join(p.name for p in written)}" if written else " (all were there)"))
+        if change is None:
+            render.console.print("data version unchanged")
+            return
+        render.console.print(f"data version {change.md5} (was {change.previous or 'none'})" + (", pushed to the DVC remote" if params.data.dvc_push else ""))
+        try:
+            event = announce_data_change(root, params, change)
+        except EventNotDelivered as err:
+            render.note(f"{err}; `kiln deploy` notices the new data.dvc when it runs")
+            return
+        render.console.print(f"announced kiln.data.changed (event {event})")
+
+
 def main() -> None:
     # A TERM (a supervisor, `timeout`, Ctrl-C's cousin) unwinds like an exception, so a
     # registration in progress is rolled back instead of left half-done.

@@ -19,6 +19,8 @@ def kiln_environment(state: Path) -> dict[str, str]:
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # avoids a harmless "database is locked" log
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # a busy 2-core machine needs it
+        # A rebuild queued behind a running one retries for its slot this often (default 30 s).
+        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "5",
         "HF_HOME": str(state / "huggingface"),
         "XDG_CACHE_HOME": str(state / "cache"),
         "XDG_CONFIG_HOME": str(state / "config"),

@@ -31,6 +31,7 @@ from components.runtime.tokenizer import EngineTokenizer
 from components.train import model_from_data, write_loss_plot
 from components.workspace import Workspace
 from flows.caching import CachedStage
+from flows.data_changes import record_run_data
 from flows.lineage import git_commit, run_record, training_record
 from flows.serving_gate import serving_gate
 from registry import (
@@ -150,6 +151,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     target = registry_target(params.registry, root)
     preflight(target)
     data = version_data(params.data, root)
+    record_run_data(root, data.md5)  # what `kiln deploy` compares data.dvc with
     if model_dir is not None:
         model = load_pretrained(model_dir)
     else:

@@ -19,7 +19,7 @@ def error(err: KilnError) -> None:
 
 
 def note(text: str) -> None:
-    err_console.print(f"[yellow]note:[/] {text}", highlight=False)
+    err_console.print(f"[yellow]note:[/] {text}", highlight=False, soft_wrap=True)
 
 
 def gate_report(report) -> None:
@@ -155,3 +155,15 @@ def lineage(lineage) -> None:
         verb = "became" if move.version == info.version else "stopped being"
         built.add(f"{move.at} {verb} @{move.alias} (by {move.by}{': ' + move.reason if move.reason else ''})")
     console.print(root)
+
+
+def deployments(served, listeners: list[str], prefect_api_url: str) -> None:
+    table = Table(title=f"kiln deploy → {prefect_api_url}", title_justify="left")
+    table.add_column("deployment")
+    table.add_column("starts on")
+    for deployment in served:
+        table.add_row(deployment.name, deployment.starts_on)
+    console.print(table)
+    for listener in listeners:
+        console.print(f"  {listener}")
+    console.print("Ctrl-C (or SIGTERM) stops it.")

@@ -19,6 +19,7 @@ from registry.store import (
     register_alias_webhook,
     register_engine,
     resolve_alias,
+    tag_version,
 )
 from registry.target import registry_target
 
@@ -48,5 +49,6 @@ __all__ = [
     "registry_target",
     "resolve_alias",
     "rollback",
+    "tag_version",
     "version_lineage",
 ]

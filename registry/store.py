@@ -357,10 +357,11 @@ def download_version(target: RegistryTarget, version: str, destination: Path) ->
 ALIAS_EVENTS = ["model_version_alias.created", "model_version_alias.deleted"]
 
 
-def register_alias_webhook(target: RegistryTarget, url: str, secret: str) -> str:
+def register_alias_webhook(target: RegistryTarget, url: str, secret: str, purpose: str = "serve") -> str:
     """Have the tracking server POST alias changes to `url`, signed with `secret`; one
-    webhook per URL (registering again updates it). Only an `mlflow server` delivers them
-    (FACTS.md): a client writing to a SQLite file directly fires nothing."""
+    webhook per URL (registering again updates it), named `kiln-<purpose>-<model>`. Only an
+    `mlflow server` delivers them (FACTS.md): a client writing to a SQLite file directly
+    fires nothing."""
     from mlflow.exceptions import MlflowException
 
     client = _client(target)
@@ -368,7 +369,21 @@ def register_alias_webhook(target: RegistryTarget, url: str, secret: str) -> str
         for hook in client.list_webhooks():
             if hook.url == url:
                 return client.update_webhook(hook.webhook_id, events=ALIAS_EVENTS, secret=secret, status="ACTIVE").webhook_id
-        name = f"kiln-serve-{target.model_name}"
+        name = f"kiln-{purpose}-{target.model_name}"
         return client.create_webhook(name=name, url=url, events=ALIAS_EVENTS, secret=secret).webhook_id
     except MlflowException as err:
         raise RegistryError(f"cannot register the webhook {url} with {target.tracking_uri}: {err.message}") from err
+
+
+def tag_version(target: RegistryTarget, version: str, tags: dict[str, str]) -> VersionInfo:
+    """Set tags on one version (evidence recorded after registration, such as a
+    verification); returns the version as the store has it then."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    try:
+        for key, value in tags.items():
+            client.set_model_version_tag(target.model_name, version, key, value)
+        return _version_info(client, target.model_name, version)
+    except MlflowException as err:
+        raise RegistryError(f"cannot tag {target.model_name} version {version}: {err.message}") from err

@@ -33,6 +33,7 @@ class AliasEvent:
     model: str
     alias: str
     action: str  # "created" | "deleted"
+    version: str | None = None  # the version the alias names now (created only)
 
 
 def signature_of(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
@@ -58,6 +59,7 @@ def verified_alias_event(secret: str, headers: Mapping[str, str], body: bytes, n
         payload = json.loads(body)
         data = payload["data"]
         kind = (payload["entity"], payload["action"])
-        return AliasEvent(data["name"], data["alias"], payload["action"]) if kind in ALIAS_EVENTS else None
+        version = None if data.get("version") is None else str(data["version"])
+        return AliasEvent(data["name"], data["alias"], payload["action"], version) if kind in ALIAS_EVENTS else None
     except (ValueError, KeyError, TypeError) as err:
         raise WebhookRejected(f"the delivery is not an MLflow webhook payload: {err}") from None

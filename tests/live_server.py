@@ -4,6 +4,7 @@ the `openai` package, httpx, MLflow's webhook delivery — reach it over HTTP.""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import uvicorn
@@ -87,3 +89,40 @@ def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(30)
+
+
+KILN = str(Path(sys.executable).parent / "kiln")
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def kiln_up(root: Path) -> Iterator[SimpleNamespace]:
+    """`kiln up` in a project, as a user starts it: both servers must answer; yields their
+    URLs and an environment whose kiln verbs talk to its Prefect server (so no run starts a
+    temporary one); SIGTERM on the way out must stop both."""
+    mlflow_port, prefect_port = free_port(), free_port()
+    log = (root / "kiln-up.log").open("w")  # a file, not a pipe nobody reads: the servers are chatty
+    up = subprocess.Popen(
+        [KILN, "up", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)],
+        cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    health = {"mlflow": f"http://127.0.0.1:{mlflow_port}/health", "prefect": f"http://127.0.0.1:{prefect_port}/api/health"}
+    deadline = time.monotonic() + 120
+    while not all(map(answers, health.values())) and time.monotonic() < deadline and up.poll() is None:
+        time.sleep(0.5)
+    if not all(map(answers, health.values())):
+        up.kill()
+        raise RuntimeError(f"kiln up did not bring both servers up (exit {up.wait()}): {(root / 'kiln-up.log').read_text()[-3000:]}")
+    env = os.environ | {"PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
+    yield SimpleNamespace(root=root, env=env, mlflow=f"http://127.0.0.1:{mlflow_port}", prefect=f"http://127.0.0.1:{prefect_port}")
+
+    up.send_signal(signal.SIGTERM)
+    assert up.wait(timeout=60) == 143
+    time.sleep(1)
+    assert not any(map(answers, health.values())), "a server outlived kiln up's SIGTERM"

@@ -18,7 +18,7 @@ from components.config import ServingParams, load_params
 from flows.cli import app
 
 from .conftest import make_project, tiny_params
-from .live_server import free_port
+from .live_server import answers, free_port, kiln_up
 
 KILN = str(Path(sys.executable).parent / "kiln")
 VERBS = ["run", "build", "gate", "promote", "doctor", "up"]
@@ -101,40 +101,13 @@ def test_an_unreachable_tracking_uri_exits_2_before_any_training(tmp_path):
 # ---------------------------------------------------------------- a project under `kiln up`, as a user works
 
 
-def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """`kiln up` in a project: both servers must answer; the kiln verbs below talk to its
-    Prefect server (so no run starts a temporary one); SIGTERM must stop both."""
+    """A project under `kiln up` (both servers answering, stopped by SIGTERM at the end)."""
     root = make_project(tmp_path_factory.mktemp("cli") / "p")
     write_params(root / "params.yaml", tiny_params(root, serving=ServingParams(port=free_port(), poll_interval_s=1)))
-    mlflow_port, prefect_port = free_port(), free_port()
-    log = (root / "kiln-up.log").open("w")  # a file, not a pipe nobody reads: the servers are chatty
-    up = subprocess.Popen(
-        [KILN, "up", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    health = {"mlflow": f"http://127.0.0.1:{mlflow_port}/health", "prefect": f"http://127.0.0.1:{prefect_port}/api/health"}
-    deadline = time.monotonic() + 120
-    while not all(map(answers, health.values())) and time.monotonic() < deadline and up.poll() is None:
-        time.sleep(0.5)
-    if not all(map(answers, health.values())):
-        up.kill()
-        pytest.fail(f"kiln up did not bring both servers up (exit {up.wait()}): {(root / 'kiln-up.log').read_text()[-3000:]}")
-    env = os.environ | {"PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
-    yield SimpleNamespace(root=root, env=env, mlflow=f"http://127.0.0.1:{mlflow_port}", prefect=f"http://127.0.0.1:{prefect_port}")
-
-    up.send_signal(signal.SIGTERM)
-    assert up.wait(timeout=60) == 143
-    time.sleep(1)
-    assert not any(map(answers, health.values())), "a server outlived kiln up's SIGTERM"
+    with kiln_up(root) as up:
+        yield up
 
 
 def kiln_in(served, *args: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,114 @@
+"""`kiln deploy`: serve the project's deployments (flows.deployments) against a running
+Prefect server until Ctrl-C or SIGTERM, with the two listeners that turn outside changes
+into Prefect events: the data watcher (data.dvc vs the last run) and the MLflow webhook
+receiver (an alias set → verify-promotion)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.config import Params
+from components.errors import KilnError
+from flows import render
+
+
+@dataclass(frozen=True)
+class DeploySettings:
+    prefect_api_url: str  # a running server (kiln up's): schedules and triggers live there
+    mlflow_url: str  # an `mlflow server` on the project's store: only it delivers webhooks
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def check_servers(settings: DeploySettings, params: Params) -> None:
+    """Both servers answer, before anything is registered or served."""
+    if not _answers(f"{settings.prefect_api_url.rstrip('/')}/health"):
+        raise KilnError(f"no Prefect server answers at {settings.prefect_api_url}: start one with `kiln up` (or point PREFECT_API_URL at yours)")
+    if params.triggers.on_promotion and not _answers(f"{settings.mlflow_url.rstrip('/')}/health"):
+        raise KilnError(
+            f"no MLflow server answers at {settings.mlflow_url}, and only an MLflow server delivers the alias webhooks that start "
+            "verify-promotion: start `kiln up`, pass --mlflow-url, or set triggers.on_promotion: false"
+        )  # fmt: skip
+
+
+def serve_deployments(root: Path, params_file: str, params: Params, settings: DeploySettings) -> None:
+    check_servers(settings, params)
+    os.environ["PREFECT_API_URL"] = settings.prefect_api_url  # before prefect is imported
+    os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "2")  # a local server: seconds, not the default 10
+    from prefect.runner import Runner
+
+    from flows.deployments import deployments, ensure_request_lock
+
+    ensure_request_lock(params.registry.model_name)
+    served, descriptions = deployments(root, params_file, params)
+    runner = Runner(name=f"kiln-deploy-{params.registry.model_name}")
+    for deployment in served:
+        runner.add_deployment(deployment)
+    listeners = _start_listeners(root, params, settings)
+    render.deployments(descriptions, [name for name, _ in listeners], settings.prefect_api_url)
+    try:
+        asyncio.run(runner.start())
+    finally:
+        for _, listener in listeners:
+            listener.stop()
+
+
+def _start_listeners(root: Path, params: Params, settings: DeploySettings) -> list[tuple[str, object]]:
+    listeners: list[tuple[str, object]] = []
+    triggers = params.triggers
+    if triggers.on_data_change and triggers.data_poll_interval_s > 0:
+        from flows.data_changes import DataWatcher
+
+        watcher = DataWatcher(root, params, triggers.data_poll_interval_s, lambda change: _announce_data(root, params, change))
+        listeners.append((f"data watcher: {params.data.path}.dvc vs the last run's data, every {triggers.data_poll_interval_s:g} s", watcher.start()))
+    if triggers.on_promotion:
+        receiver, hook = _start_receiver(root, params, settings)
+        listeners.append((f"MLflow webhook receiver {hook} (registered with {settings.mlflow_url})", receiver))
+    return listeners
+
+
+def _announce_data(root: Path, params: Params, change) -> None:
+    from flows.data_changes import announce_data_change
+    from flows.events import DATA_CHANGED
+
+    announce_data_change(root, params, change)
+    render.console.print(f"data.dvc now names {change.md5} (the last run's was {change.previous}): announced {DATA_CHANGED}")
+
+
+def _start_receiver(root: Path, params: Params, settings: DeploySettings):
+    from flows.serving import ensure_webhook_secret
+    from registry import RegistryTarget, register_alias_webhook
+    from serving.hook_receiver import ReceiverThread, alias_hook_app
+
+    triggers = params.triggers
+    secret = ensure_webhook_secret(root)
+    app = alias_hook_app(secret, params.serving.webhook_max_age_s, lambda event: _announce_alias(params, event))
+    try:
+        receiver = ReceiverThread(app, triggers.webhook_host, triggers.webhook_port).start()
+    except OSError as err:
+        raise KilnError(str(err)) from err
+    host = "127.0.0.1" if triggers.webhook_host in ("0.0.0.0", "::", "") else triggers.webhook_host
+    hook = f"http://{host}:{triggers.webhook_port}/hooks/mlflow"
+    register_alias_webhook(RegistryTarget(settings.mlflow_url, params.registry.model_name, params.registry.experiment), hook, secret, purpose="deploy")
+    return receiver, hook
+
+
+def _announce_alias(params: Params, event) -> bool:
+    """An alias set on this project's model, for an alias verify-promotion checks → the event."""
+    from flows.events import ALIAS_SET, announce, registry_resource
+
+    wanted = event.model == params.registry.model_name and event.alias in params.triggers.verify_aliases
+    if not (wanted and event.action == "created" and event.version):
+        return False
+    announce(ALIAS_SET, registry_resource(event.model), {"model": event.model, "alias": event.alias, "version": event.version})
+    return True

@@ -1,0 +1,206 @@
+"""`kiln deploy`: the Prefect deployments that run retrain-and-rebuild by themselves, and
+the verify-promotion flow.
+
+    schedule (cron) ─┐
+    kiln.data.changed ┼→ request-rebuild ──→ rebuild (one at a time) → retrain-and-rebuild
+                      │   (coalesces)
+    MLflow webhook → kiln.registry.alias-set → verify-promotion → verification.* tags
+
+Every trigger goes through `request-rebuild`, which runs one at a time and decides: start a
+rebuild, or join the one already waiting (it starts after the running one ends, so it sees
+every change made before it starts). A burst of triggers therefore yields one running
+rebuild and at most one queued. `rebuild` itself allows one run at a time (Prefect's
+deployment concurrency limit), so two rebuilds never share the stage folders or race to
+register; the registry's own lock and sha256 check keep an engine registered once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from components.config import Params, load_params
+from components.errors import KilnError
+from flows.events import ALIAS_SET, DATA_CHANGED, data_resource, registry_resource
+
+REBUILD, REQUEST_REBUILD, VERIFY_PROMOTION = "rebuild", "request-rebuild", "verify-promotion"
+WAITING = ("SCHEDULED", "PENDING")  # AwaitingConcurrencySlot is a SCHEDULED state
+
+
+def _project(project: str, params_file: str) -> tuple[Path, Params]:
+    root = Path(project)
+    return root, load_params(root / params_file)
+
+
+@flow(name=REBUILD)
+def rebuild(project: str, params_file: str = "params.yaml", reason: str = "started by hand") -> str:
+    """retrain-and-rebuild on the project's params.yaml, as `kiln run` does."""
+    from flows.environment import prepare_environment
+    from flows.pipeline import retrain_and_rebuild
+
+    root, params = _project(project, params_file)
+    prepare_environment(root)
+    if sys.platform != "win32" and _is_main_thread():
+        # A stopped `kiln deploy` sends TERM: unwind, so a registration in progress rolls back.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    get_run_logger().info("rebuild: %s", reason)
+    result = retrain_and_rebuild(params, root)
+    chosen = result.challenger
+    return f"data {result.data.md5[:12]}: " + (f"version {chosen.registration.version} @challenger" if chosen else "no challenger")
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def request_lock(model_name: str) -> str:
+    """The Prefect global concurrency limit (one slot) that request-rebuild runs take in turn."""
+    return f"kiln-rebuild-requests-{model_name}"
+
+
+@flow(name=REQUEST_REBUILD)
+def request_rebuild(project: str, params_file: str = "params.yaml", reason: str = "requested", overlap: str = "queue-one") -> str:
+    """Start a rebuild, or join the one already waiting to start ("queue-one"); with "drop",
+    a trigger while a rebuild runs or waits is dropped. The decision is taken holding a
+    one-slot lock, so two triggers cannot both find no rebuild waiting and start two."""
+    from prefect.concurrency.sync import concurrency
+
+    _, params = _project(project, params_file)
+    with concurrency(request_lock(params.registry.model_name), occupy=1, strict=True, timeout_seconds=600):
+        return _start_or_join(project, params_file, params.registry.model_name, reason, overlap)
+
+
+def _start_or_join(project: str, params_file: str, model_name: str, reason: str, overlap: str) -> str:
+    from prefect.deployments import run_deployment
+
+    deployment = f"{REBUILD}/{model_name}"
+    waiting, running = _rebuild_runs(deployment)
+    logger = get_run_logger()
+    if waiting:
+        logger.info("joined rebuild %s, waiting to start: it will see this change (%s)", waiting[0].name, reason)
+        return f"joined {waiting[0].name}"
+    if overlap == "drop" and running:
+        logger.info("dropped (%s): rebuild %s is running and triggers.overlap is drop", reason, running[0].name)
+        return f"dropped while {running[0].name} runs"
+    requested_by = flow_run.get_name() or "a trigger"
+    started = run_deployment(
+        deployment, parameters={"project": project, "params_file": params_file, "reason": f"{reason} (via {requested_by})"},
+        timeout=0, as_subflow=False, tags=["kiln-trigger"],
+    )  # fmt: skip
+    logger.info("started rebuild %s%s: %s", started.name, f" (queued behind {running[0].name})" if running else "", reason)
+    return f"started {started.name}"
+
+
+def ensure_request_lock(model_name: str) -> None:
+    """Create the one-slot limit request-rebuild takes (kept if it exists)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    name = request_lock(model_name)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=1, active=True))
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+
+
+def _rebuild_runs(deployment: str):
+    """The deployment's runs waiting to start, and those running."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        deployment_id = client.read_deployment_by_name(deployment).id
+
+        def runs(*types: str):
+            state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType(t) for t in types]))
+            return client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])), flow_run_filter=FlowRunFilter(state=state)
+            )
+
+        return runs(*WAITING), runs("RUNNING")
+
+
+@flow(name=VERIFY_PROMOTION)
+def verify_promotion(project: str, alias: str, version: str, params_file: str = "params.yaml") -> str:
+    """Check a version an alias was just set to, here, and tag the version with the result."""
+    from flows.environment import prepare_environment
+    from flows.verification import record_verification, verify_version
+    from registry import registry_target
+
+    root, params = _project(project, params_file)
+    prepare_environment(root)
+    target = registry_target(params.registry, root)
+    verification = verify_version(target, version, params, root)
+    record_verification(target, verification, alias, flow_run.get_id())
+    if not verification.passed:
+        raise KilnError(f"{params.registry.model_name} version {version} (@{alias}) failed verification: {verification.failure}")
+    quality = verification.quality.measured if verification.quality else {}
+    return f"version {version} verified: top1 {quality.get('top1_agreement', float('nan')):.4f}, ppl {quality.get('ppl_increase_pct', float('nan')):+.3f} %"
+
+
+@dataclass(frozen=True)
+class Served:
+    """One deployment `kiln deploy` serves, and what starts it, in words."""
+
+    name: str
+    starts_on: str
+
+
+def deployments(root: Path, params_file: str, params: Params):
+    """The RunnerDeployments for this project, and what each starts on."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.events import DeploymentEventTrigger
+    from prefect.schedules import Cron
+    from prefect.types.entrypoint import EntrypointType
+
+    # By module, not file path: loading flows/deployments.py by path puts flows/ first on
+    # sys.path, where flows/serving.py then shadows the serving package.
+    MODULE = EntrypointType.MODULE_PATH
+
+    name, triggers = params.registry.model_name, params.triggers
+    base = {"project": str(root), "params_file": params_file}
+    one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+    rebuild_triggers, starts = [], []
+    if triggers.on_data_change:
+        rebuild_triggers.append(DeploymentEventTrigger(
+            name=f"{name}: data changed", expect={DATA_CHANGED}, match={"prefect.resource.id": data_resource(name)["prefect.resource.id"]},
+            parameters={"reason": "data changed to {{ event.payload.md5 }} ({{ event.payload.how }})"},
+        ))  # fmt: skip
+        starts.append(f"{DATA_CHANGED} events")
+    if triggers.schedule:
+        starts.append(f"cron {triggers.schedule} ({triggers.timezone})")
+    served = [
+        rebuild.to_deployment(name, entrypoint_type=MODULE, parameters=base, concurrency_limit=one_at_a_time, description="retrain-and-rebuild, one at a time"),
+        request_rebuild.to_deployment(
+            name, entrypoint_type=MODULE, parameters=base | {"overlap": triggers.overlap, "reason": "schedule"},
+            schedule=Cron(triggers.schedule, timezone=triggers.timezone) if triggers.schedule else None, triggers=rebuild_triggers,
+            description="starts a rebuild or joins the one waiting",
+        ),
+    ]  # fmt: skip
+    descriptions = [
+        Served(f"{REBUILD}/{name}", f"request-rebuild ({triggers.overlap})"),
+        Served(f"{REQUEST_REBUILD}/{name}", ", ".join(starts) or "nothing (triggers off)"),
+    ]
+    if triggers.on_promotion:
+        verify_trigger = DeploymentEventTrigger(
+            name=f"{name}: alias set", expect={ALIAS_SET}, match={"prefect.resource.id": registry_resource(name)["prefect.resource.id"]},
+            parameters={"alias": "{{ event.payload.alias }}", "version": "{{ event.payload.version }}"},
+        )  # fmt: skip
+        served.append(
+            verify_promotion.to_deployment(
+                name, entrypoint_type=MODULE, parameters=base, triggers=[verify_trigger], description="re-check a promoted version here"
+            )
+        )
+        descriptions.append(Served(f"{VERIFY_PROMOTION}/{name}", f"{ALIAS_SET} events for {', '.join(triggers.verify_aliases)} (MLflow webhook)"))
+    return served, descriptions
