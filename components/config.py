@@ -356,6 +356,34 @@ class TriggerParams(_Section):
         return schedule
 
 
+class BuildTarget(_Section):
+    """What one kind of machine builds: its backend and precisions (a row of the build matrix)."""
+
+    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    precisions: list[Precision] = Field(min_length=1)
+
+
+class PoolParams(_Section):
+    """`kiln deploy --pool`: the deployments on a Prefect process work pool, and one worker
+    (`kiln worker TARGET`) per build target, on machines that share the project folder and
+    an MLflow server (PostgreSQL store, shared artifacts): README, "Beyond one machine"."""
+
+    name: str = Field("kiln", pattern=r"^[A-Za-z0-9_\-]+$")
+    targets: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9\-]*$")], BuildTarget] = Field(
+        default_factory=lambda: {"cpu": BuildTarget(precisions=["fp32", "int8"])}, min_length=1
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _not_the_control_queue(cls, targets: dict[str, BuildTarget]) -> dict[str, BuildTarget]:
+        if CONTROL_QUEUE in targets:
+            raise ValueError(f"{CONTROL_QUEUE!r} names the queue every worker takes rebuilds and verifications from; choose another target name")
+        return targets
+
+
+CONTROL_QUEUE = "control"  # the work queue of rebuild, request-rebuild and verify-promotion
+
+
 class Params(_Section):
     data: DataParams = DataParams()
     model: ModelParams = ModelParams()
@@ -368,6 +396,7 @@ class Params(_Section):
     sample: SampleParams = SampleParams()
     serving: ServingParams = ServingParams()
     triggers: TriggerParams = TriggerParams()
+    pool: PoolParams = PoolParams()
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> Params:

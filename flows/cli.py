@@ -353,6 +353,7 @@ def deploy(
     params_file: ParamsOption = Path("params.yaml"),
     prefect_url: Annotated[str | None, typer.Option(help="Prefect API (default: PREFECT_API_URL, else kiln up's http://127.0.0.1:4200/api)")] = None,
     mlflow_url: Annotated[str | None, typer.Option(help="MLflow server that delivers alias webhooks (default: registry.tracking_uri if a server, else kiln up's http://127.0.0.1:5000)")] = None,
+    pool: Annotated[bool, typer.Option("--pool", help="register them on the work pool of params' pool section, for `kiln worker`s, instead of running them here")] = False,
 ) -> None:
     """Serve the Prefect deployments: rebuild on a schedule and on data changes, verify-promotion on alias changes."""
     from flows.deploy import DeploySettings, serve_deployments
@@ -365,7 +366,22 @@ def deploy(
             prefect_api_url=prefect_url or os.environ.get("PREFECT_API_URL") or "http://127.0.0.1:4200/api",
             mlflow_url=mlflow_url or _mlflow_server(params.registry.tracking_uri),
         )
-        serve_deployments(root, str(params_file), params, settings)
+        serve_deployments(root, str(params_file), params, settings, pool=pool)
+
+
+@app.command()
+def worker(
+    target: Annotated[str, typer.Argument(help="build target of params' pool.targets that this machine builds")],
+    params_file: ParamsOption = Path("params.yaml"),
+    prefect_url: Annotated[str | None, typer.Option(help="Prefect API (default: PREFECT_API_URL, else http://127.0.0.1:4200/api)")] = None,
+) -> None:
+    """A Prefect process worker for one build target of the pool (see kiln deploy --pool)."""
+    from flows.deploy import run_worker
+
+    root = Path.cwd()
+    _prepare_environment(root)
+    with _one_line_errors():
+        run_worker(root, _load(params_file), target, prefect_url or os.environ.get("PREFECT_API_URL") or "http://127.0.0.1:4200/api")
 
 
 def _mlflow_server(tracking_uri: str | None) -> str:

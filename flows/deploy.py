@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import sys
+import threading
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,26 +44,58 @@ def check_servers(settings: DeploySettings, params: Params) -> None:
         )  # fmt: skip
 
 
-def serve_deployments(root: Path, params_file: str, params: Params, settings: DeploySettings) -> None:
+def serve_deployments(root: Path, params_file: str, params: Params, settings: DeploySettings, pool: bool = False) -> None:
+    """Serve the deployments here (a Runner in this process), or with `pool` register them on
+    the params' work pool for `kiln worker`s to run; either way the listeners run here."""
     check_servers(settings, params)
     os.environ["PREFECT_API_URL"] = settings.prefect_api_url  # before prefect is imported
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "2")  # a local server: seconds, not the default 10
-    from prefect.runner import Runner
-
-    from flows.deployments import deployments, ensure_request_lock
+    from flows.deployments import apply_to_pool, deployments, ensure_request_lock
 
     ensure_request_lock(params.registry.model_name)
-    served, descriptions = deployments(root, params_file, params)
-    runner = Runner(name=f"kiln-deploy-{params.registry.model_name}")
-    for deployment in served:
-        runner.add_deployment(deployment)
+    served, descriptions = deployments(root, params_file, params, pool=pool)
+    if pool:
+        apply_to_pool(served, params.pool.name)
     listeners = _start_listeners(root, params, settings)
-    render.deployments(descriptions, [name for name, _ in listeners], settings.prefect_api_url)
+    where = f"work pool {params.pool.name!r} (kiln worker {'|'.join(params.pool.targets)})" if pool else "this process"
+    render.deployments(descriptions, [name for name, _ in listeners], settings.prefect_api_url, where)
     try:
-        asyncio.run(runner.start())
+        if pool:
+            threading.Event().wait()  # until Ctrl-C or SIGTERM (SystemExit from the CLI's handler)
+        else:
+            asyncio.run(_runner(params, served).start())
     finally:
         for _, listener in listeners:
             listener.stop()
+
+
+def _runner(params: Params, served: list):
+    from prefect.runner import Runner
+
+    runner = Runner(name=f"kiln-deploy-{params.registry.model_name}")
+    for deployment in served:
+        runner.add_deployment(deployment)
+    return runner
+
+
+def run_worker(root: Path, params: Params, target: str, prefect_api_url: str) -> None:
+    """`kiln worker TARGET`: a Prefect process worker on the pool, taking the target's build
+    runs and the control queue's rebuilds and verifications; it replaces this process."""
+    if target not in params.pool.targets:
+        raise KilnError(f"no build target {target!r} in pool.targets (params.yaml has {', '.join(params.pool.targets)})")
+    if not _answers(f"{prefect_api_url.rstrip('/')}/health"):
+        raise KilnError(f"no Prefect server answers at {prefect_api_url}: start it first (kiln up, or prefect server start)")
+    from components.config import CONTROL_QUEUE
+
+    os.environ["PREFECT_API_URL"] = prefect_api_url
+    prefect = str(Path(sys.executable).parent / "prefect")
+    command = [prefect, "worker", "start", "--pool", params.pool.name, "--type", "process",
+               "--work-queue", target, "--work-queue", CONTROL_QUEUE, "--name", f"kiln-{target}-{socket.gethostname()}"]  # fmt: skip
+    render.console.print(
+        f"worker for target {target} ({params.pool.targets[target].backend}: {', '.join(params.pool.targets[target].precisions)}) on pool {params.pool.name}"
+    )
+    os.chdir(root)
+    os.execv(prefect, command)
 
 
 def _start_listeners(root: Path, params: Params, settings: DeploySettings) -> list[tuple[str, object]]:

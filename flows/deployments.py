@@ -24,11 +24,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from components.config import Params, load_params
+from components.config import CONTROL_QUEUE, Params, load_params
 from components.errors import KilnError
 from flows.events import ALIAS_SET, DATA_CHANGED, data_resource, registry_resource
 
-REBUILD, REQUEST_REBUILD, VERIFY_PROMOTION = "rebuild", "request-rebuild", "verify-promotion"
+REBUILD, REQUEST_REBUILD, VERIFY_PROMOTION, BUILD_ENGINES = "rebuild", "request-rebuild", "verify-promotion", "build-engines"
 WAITING = ("SCHEDULED", "PENDING")  # AwaitingConcurrencySlot is a SCHEDULED state
 
 
@@ -38,17 +38,20 @@ def _project(project: str, params_file: str) -> tuple[Path, Params]:
 
 
 @flow(name=REBUILD)
-def rebuild(project: str, params_file: str = "params.yaml", reason: str = "started by hand") -> str:
-    """retrain-and-rebuild on the project's params.yaml, as `kiln run` does."""
+def rebuild(project: str, params_file: str = "params.yaml", reason: str = "started by hand", dispatch: bool = False) -> str:
+    """retrain-and-rebuild on the project's params.yaml, as `kiln run` does; with
+    `dispatch` (a work pool), the engines are built by one build-engines run per target."""
     from flows.environment import prepare_environment
     from flows.pipeline import retrain_and_rebuild
 
     root, params = _project(project, params_file)
     prepare_environment(root)
-    if sys.platform != "win32" and _is_main_thread():
-        # A stopped `kiln deploy` sends TERM: unwind, so a registration in progress rolls back.
+    if _is_main_thread():
+        # A stopped `kiln deploy` or worker sends TERM: unwind, so a registration in progress rolls back.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     get_run_logger().info("rebuild: %s", reason)
+    if dispatch:
+        return _rebuild_on_targets(root, project, params_file, params)
     result = retrain_and_rebuild(params, root)
     chosen = result.challenger
     return f"data {result.data.md5[:12]}: " + (f"version {chosen.registration.version} @challenger" if chosen else "no challenger")
@@ -131,6 +134,75 @@ def _rebuild_runs(deployment: str):
         return runs(*WAITING), runs("RUNNING")
 
 
+def for_target(params: Params, target: str) -> Params:
+    """The params narrowed to one build target's backend and precisions."""
+    row = params.pool.targets[target]
+    return params.model_copy(update={
+        "build": params.build.model_copy(update={"backend": row.backend}),
+        "precision": params.precision.model_copy(update={"build": row.precisions}),
+    })  # fmt: skip
+
+
+@flow(name=BUILD_ENGINES)
+def build_engines(project: str, target: str, params_file: str = "params.yaml") -> str:
+    """One target's engines of the model its rebuild prepared (found in the shared stage
+    cache, not trained again): built, gated and registered; the rebuild picks the challenger."""
+    from flows.environment import prepare_environment
+    from flows.pipeline import retrain_and_rebuild
+
+    root, params = _project(project, params_file)
+    prepare_environment(root)
+    result = retrain_and_rebuild(for_target(params, target), root, choose=False)
+    return "; ".join(f"{o.precision}: version {o.registration.version}" for o in result.outcomes)
+
+
+def _rebuild_on_targets(root: Path, project: str, params_file: str, params: Params) -> str:
+    """Data, model, ONNX once, here; then every target's build-engines run on its own work
+    queue, at once; then the challenger: the fastest version of this model and data that
+    passed its gates and is not worse than the champion, whichever machine built it."""
+    from prefect.deployments import run_deployment
+
+    from flows.pipeline import retrain_and_rebuild
+    from registry import CHALLENGER, promote, registry_target
+
+    shared = retrain_and_rebuild(params.model_copy(update={"precision": params.precision.model_copy(update={"build": []})}), root)
+    runs = [
+        run_deployment(f"{BUILD_ENGINES}/{params.registry.model_name}", parameters={"project": project, "params_file": params_file, "target": name},
+                       work_queue_name=name, timeout=0, tags=[f"target:{name}"])
+        for name in params.pool.targets
+    ]  # fmt: skip
+    finals = _wait_until_final([run.id for run in runs])
+    registry = registry_target(params.registry, root)
+    chosen = _fastest_passing_version(registry, shared.model.sha256, shared.data.md5)
+    if chosen is not None:
+        promote(registry, CHALLENGER, version=chosen.version)
+    failed = [f"{run.name} ({', '.join(run.tags)}): {run.state.message}" for run in finals if not run.state.is_completed()]
+    if failed:
+        raise KilnError("builds failed: " + "; ".join(failed))
+    return f"data {shared.data.md5[:12]}, model {shared.model.sha256[:12]}: " + (f"version {chosen.version} @challenger" if chosen else "no challenger")
+
+
+def _wait_until_final(run_ids: list, poll_s: float = 2.0) -> list:
+    import time
+
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = [client.read_flow_run(run_id) for run_id in run_ids]
+            if all(run.state is not None and run.state.is_final() for run in runs):
+                return runs
+            time.sleep(poll_s)
+
+
+def _fastest_passing_version(registry, model_sha256: str, data_md5: str):
+    from registry import versions_tagged
+
+    versions = versions_tagged(registry, {"source_model_sha256": model_sha256, "data_md5": data_md5, "gates.passed": "true"})
+    eligible = [v for v in versions if v.tags.get("gates.champion.passed") != "false"]
+    return min(eligible, key=lambda v: float(v.tags["gates.latency.p50_ms"]), default=None)
+
+
 @flow(name=VERIFY_PROMOTION)
 def verify_promotion(project: str, alias: str, version: str, params_file: str = "params.yaml") -> str:
     """Check a version an alias was just set to, here, and tag the version with the result."""
@@ -157,50 +229,83 @@ class Served:
     starts_on: str
 
 
-def deployments(root: Path, params_file: str, params: Params):
-    """The RunnerDeployments for this project, and what each starts on."""
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-    from prefect.events import DeploymentEventTrigger
-    from prefect.schedules import Cron
+def deployments(root: Path, params_file: str, params: Params, pool: bool = False) -> tuple[list, list[Served]]:
+    """The RunnerDeployments for this project, and what each starts on. With `pool`, they
+    are meant for a work pool: rebuild dispatches to build-engines, one run per target."""
     from prefect.types.entrypoint import EntrypointType
 
     # By module, not file path: loading flows/deployments.py by path puts flows/ first on
     # sys.path, where flows/serving.py then shadows the serving package.
-    MODULE = EntrypointType.MODULE_PATH
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH}
+    if pool:
+        common["work_queue_name"] = CONTROL_QUEUE
+    base = {"project": str(root), "params_file": params_file}
+    served, described = _rebuild_deployments(params, base, common, pool)
+    if params.triggers.on_promotion:
+        served.append(_verify_deployment(params, base, common))
+        described.append(
+            Served(f"{VERIFY_PROMOTION}/{params.registry.model_name}", f"{ALIAS_SET} events for {', '.join(params.triggers.verify_aliases)} (MLflow webhook)")
+        )
+    if pool:
+        first = next(iter(params.pool.targets))
+        served.append(build_engines.to_deployment(params.registry.model_name, **(common | {"work_queue_name": first}), parameters=base,
+                                                  description="one build target's engines (its work queue)"))  # fmt: skip
+        described.append(Served(f"{BUILD_ENGINES}/{params.registry.model_name}", "rebuild, one run per target: " + ", ".join(params.pool.targets)))
+    return served, described
+
+
+def _rebuild_deployments(params: Params, base: dict, common: dict, pool: bool) -> tuple[list, list[Served]]:
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.events import DeploymentEventTrigger
+    from prefect.schedules import Cron
 
     name, triggers = params.registry.model_name, params.triggers
-    base = {"project": str(root), "params_file": params_file}
-    one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
-    rebuild_triggers, starts = [], []
+    events, starts = [], []
     if triggers.on_data_change:
-        rebuild_triggers.append(DeploymentEventTrigger(
+        events.append(DeploymentEventTrigger(
             name=f"{name}: data changed", expect={DATA_CHANGED}, match={"prefect.resource.id": data_resource(name)["prefect.resource.id"]},
             parameters={"reason": "data changed to {{ event.payload.md5 }} ({{ event.payload.how }})"},
         ))  # fmt: skip
         starts.append(f"{DATA_CHANGED} events")
     if triggers.schedule:
         starts.append(f"cron {triggers.schedule} ({triggers.timezone})")
+    one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
     served = [
-        rebuild.to_deployment(name, entrypoint_type=MODULE, parameters=base, concurrency_limit=one_at_a_time, description="retrain-and-rebuild, one at a time"),
+        rebuild.to_deployment(name, **common, parameters=base | {"dispatch": pool}, concurrency_limit=one_at_a_time, description="retrain-and-rebuild, one at a time"),
         request_rebuild.to_deployment(
-            name, entrypoint_type=MODULE, parameters=base | {"overlap": triggers.overlap, "reason": "schedule"},
-            schedule=Cron(triggers.schedule, timezone=triggers.timezone) if triggers.schedule else None, triggers=rebuild_triggers,
+            name, **common, parameters=base | {"overlap": triggers.overlap, "reason": "schedule"},
+            schedule=Cron(triggers.schedule, timezone=triggers.timezone) if triggers.schedule else None, triggers=events,
             description="starts a rebuild or joins the one waiting",
         ),
     ]  # fmt: skip
-    descriptions = [
+    described = [
         Served(f"{REBUILD}/{name}", f"request-rebuild ({triggers.overlap})"),
         Served(f"{REQUEST_REBUILD}/{name}", ", ".join(starts) or "nothing (triggers off)"),
     ]
-    if triggers.on_promotion:
-        verify_trigger = DeploymentEventTrigger(
-            name=f"{name}: alias set", expect={ALIAS_SET}, match={"prefect.resource.id": registry_resource(name)["prefect.resource.id"]},
-            parameters={"alias": "{{ event.payload.alias }}", "version": "{{ event.payload.version }}"},
-        )  # fmt: skip
-        served.append(
-            verify_promotion.to_deployment(
-                name, entrypoint_type=MODULE, parameters=base, triggers=[verify_trigger], description="re-check a promoted version here"
-            )
-        )
-        descriptions.append(Served(f"{VERIFY_PROMOTION}/{name}", f"{ALIAS_SET} events for {', '.join(triggers.verify_aliases)} (MLflow webhook)"))
-    return served, descriptions
+    return served, described
+
+
+def _verify_deployment(params: Params, base: dict, common: dict):
+    from prefect.events import DeploymentEventTrigger
+
+    name = params.registry.model_name
+    trigger = DeploymentEventTrigger(
+        name=f"{name}: alias set", expect={ALIAS_SET}, match={"prefect.resource.id": registry_resource(name)["prefect.resource.id"]},
+        parameters={"alias": "{{ event.payload.alias }}", "version": "{{ event.payload.version }}"},
+    )  # fmt: skip
+    return verify_promotion.to_deployment(name, **common, parameters=base, triggers=[trigger], description="re-check a promoted version here")
+
+
+def apply_to_pool(served: list, pool: str) -> None:
+    """Register the deployments on a process work pool (made if missing); its workers run them."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        except ObjectAlreadyExists:
+            pass
+    for deployment in served:
+        deployment.apply(work_pool_name=pool)

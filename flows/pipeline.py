@@ -144,9 +144,11 @@ class PipelineResult:
 
 
 @flow(name="retrain-and-rebuild")
-def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = None) -> PipelineResult:
+def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = None, choose: bool = True) -> PipelineResult:
     """data → train → export → calibrate → (precision → build → gates → register) per
-    precision → challenger on the fastest engine that passed → sample. `model_dir` skips training."""
+    precision → challenger on the fastest engine that passed → sample. `model_dir` skips
+    training; `choose=False` leaves the challenger to the caller (a build on one target of
+    several: flows.deployments)."""
     workspace = Workspace(root)
     target = registry_target(params.registry, root)
     preflight(target)
@@ -165,7 +167,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     outcomes = tuple(
         _engine_for(precision, params, model, onnx, data, calibration, workspace, target, training) for precision in params.precision.build
     )
-    challenger = choose_challenger(outcomes)
+    challenger = choose_challenger(outcomes) if choose else None
     if challenger is not None:
         set_challenger(target, CHALLENGER, version=challenger.registration.version)
     text = sample(target, challenger.registration.version, params.sample, workspace.serving_cache) if challenger else None

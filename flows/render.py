@@ -157,8 +157,8 @@ def lineage(lineage) -> None:
     console.print(root)
 
 
-def deployments(served, listeners: list[str], prefect_api_url: str) -> None:
-    table = Table(title=f"kiln deploy → {prefect_api_url}", title_justify="left")
+def deployments(served, listeners: list[str], prefect_api_url: str, where: str) -> None:
+    table = Table(title=f"kiln deploy → {prefect_api_url}, run by {where}", title_justify="left")
     table.add_column("deployment")
     table.add_column("starts on")
     for deployment in served:

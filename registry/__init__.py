@@ -20,6 +20,7 @@ from registry.store import (
     register_engine,
     resolve_alias,
     tag_version,
+    versions_tagged,
 )
 from registry.target import registry_target
 
@@ -51,4 +52,5 @@ __all__ = [
     "rollback",
     "tag_version",
     "version_lineage",
+    "versions_tagged",
 ]

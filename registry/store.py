@@ -85,17 +85,20 @@ def engine_identity(engine_dir: Path, engine_sha256: str) -> dict[str, str]:
 
 def find_version(target: RegistryTarget, identity: dict[str, str]) -> VersionInfo | None:
     """The version already registered for this engine (`engine_identity`), if any."""
+    return min(versions_tagged(target, identity), key=lambda v: int(v.version), default=None)
+
+
+def versions_tagged(target: RegistryTarget, tags: dict[str, str]) -> list[VersionInfo]:
+    """Every version of the model whose tags hold these values, oldest first."""
     from mlflow.exceptions import MlflowException
 
     client = _client(target)
-    query = " and ".join([f"name='{target.model_name}'"] + [f"tags.{tag}='{value}'" for tag, value in identity.items()])
+    query = " and ".join([f"name='{target.model_name}'"] + [f"tags.`{tag}`='{value}'" for tag, value in tags.items()])
     try:
-        versions = client.search_model_versions(query)
+        found = client.search_model_versions(query)
     except MlflowException as err:
         raise RegistryError(f"cannot search the registry at {target.tracking_uri}: {err.message}") from err
-    if not versions:
-        return None
-    return _version_info(client, target.model_name, min(versions, key=lambda v: int(v.version)).version)
+    return [_version_info(client, target.model_name, v.version) for v in sorted(found, key=lambda v: int(v.version))]
 
 
 def _version_info(client, name: str, version: str) -> VersionInfo:
@@ -316,12 +319,15 @@ def resolve_alias(target: RegistryTarget, alias: str) -> VersionInfo:
 
 
 def aliases_of(target: RegistryTarget) -> dict[str, str]:
-    """Every alias of the registered model and the version it names, as the store has them now."""
+    """Every alias of the registered model and the version it names, as the store has them
+    now; none before the model exists."""
     from mlflow.exceptions import MlflowException
 
     try:
         return {alias: str(version) for alias, version in _client(target).get_registered_model(target.model_name).aliases.items()}
     except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":  # nothing registered yet (a run that built no engine)
+            return {}
         raise RegistryError(f"cannot read the aliases of {target.model_name}: {err.message}") from err
 
 

@@ -126,3 +126,62 @@ def kiln_up(root: Path) -> Iterator[SimpleNamespace]:
     assert up.wait(timeout=60) == 143
     time.sleep(1)
     assert not any(map(answers, health.values())), "a server outlived kiln up's SIGTERM"
+
+
+def postgres_bin() -> Path | None:
+    """Debian's PostgreSQL programs (`apt-get install postgresql`), if installed."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    return found[-1].parent if found else None
+
+
+@contextmanager
+def postgres_server() -> Iterator[str]:
+    """A throwaway PostgreSQL cluster (trust auth, loopback only) with a database `mlflow`;
+    yields its SQLAlchemy URI. PostgreSQL refuses to run as root, so as root the cluster
+    runs as Debian's `postgres` user, in a folder of its own under /tmp (pytest's folders
+    are closed to other users)."""
+    import pwd
+    import shutil
+    import tempfile
+
+    bin_dir = postgres_bin()
+    assert bin_dir is not None, "PostgreSQL is not installed"
+    directory = Path(tempfile.mkdtemp(prefix="kiln-postgres-"))
+    run_as: list[str] = []
+    if os.geteuid() == 0:
+        account = pwd.getpwnam("postgres")
+        shutil.chown(directory, account.pw_uid, account.pw_gid)
+        run_as = ["runuser", "-u", "postgres", "--"]
+    data, port = directory / "data", free_port()
+
+    def pg(*command: str) -> None:
+        done = subprocess.run([*run_as, *command], capture_output=True, text=True, cwd=directory)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(command[0]).name} failed: {done.stderr.strip()[-2000:]}")
+
+    pg(str(bin_dir / "initdb"), "-D", str(data), "-U", "kiln", "--auth=trust", "-E", "UTF8")
+    options = f"-p {port} -k {directory} -c listen_addresses=127.0.0.1"
+    pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(directory / "postgres.log"), "-w", "start")
+    try:
+        pg(str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "kiln", "mlflow")
+        yield f"postgresql://kiln@127.0.0.1:{port}/mlflow"
+    finally:
+        pg(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def flow_runs(prefect: str, flow: str) -> list[dict]:
+    """A flow's runs on a Prefect server (its REST API), oldest first."""
+    body = {"flows": {"name": {"any_": [flow]}}, "sort": "EXPECTED_START_TIME_ASC"}
+    return httpx.post(f"{prefect}/api/flow_runs/filter", json=body, timeout=10).json()
+
+
+def wait_for(condition, timeout_s: float, what: str, log: Path | None = None, every_s: float = 0.5):
+    """`condition()`'s first truthy value; fails naming `what`, with the log's tail, on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := condition()):
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-4000:] if log else ""
+            raise AssertionError(f"{what} did not happen within {timeout_s:.0f} s\n{tail}")
+        time.sleep(every_s)
+    return found

@@ -21,7 +21,7 @@ from .conftest import make_project, tiny_params
 from .live_server import answers, free_port, kiln_up
 
 KILN = str(Path(sys.executable).parent / "kiln")
-VERBS = ["run", "build", "gate", "promote", "doctor", "up"]
+VERBS = ["run", "build", "gate", "promote", "rollback", "lineage", "serve", "doctor", "up", "deploy", "worker", "data add"]
 
 
 def kiln(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def write_params(path: Path, params) -> Path:
 
 @pytest.mark.parametrize("verb", VERBS)
 def test_every_verb_has_help(verb):
-    result = CliRunner().invoke(app, [verb, "--help"])
+    result = CliRunner().invoke(app, [*verb.split(), "--help"])
     assert result.exit_code == 0
     assert "Usage" in result.output
 

@@ -22,7 +22,7 @@ from components.config import ConfigError, TriggerParams, load_params
 from components.errors import DataError
 
 from .conftest import DVC, make_project, tiny_params
-from .live_server import KILN, free_port, kiln_up
+from .live_server import KILN, flow_runs, free_port, kiln_up, wait_for
 
 MODEL = "kiln-tiny"
 
@@ -128,21 +128,6 @@ def test_the_webhook_receiver_hands_on_signed_alias_events_and_refuses_the_rest(
 
 
 # ---------------------------------------------------------------- kiln deploy under kiln up
-
-
-def flow_runs(prefect: str, flow: str) -> list[dict]:
-    body = {"flows": {"name": {"any_": [flow]}}, "sort": "EXPECTED_START_TIME_ASC"}
-    return httpx.post(f"{prefect}/api/flow_runs/filter", json=body, timeout=10).json()
-
-
-def wait_for(condition, timeout_s: float, what: str, log: Path | None = None, every_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            tail = log.read_text()[-4000:] if log else ""
-            pytest.fail(f"{what} did not happen within {timeout_s:.0f} s\n{tail}")
-        time.sleep(every_s)
-    return found
 
 
 def finished(prefect: str, flow: str, after: int) -> list[dict]:
