@@ -9,9 +9,10 @@ run: $(STAMP)
 	$(VENV)/bin/kiln run
 
 # Two workers, a test file each at a time (module fixtures such as `kiln up` stay shared
-# within a file): the suite waits on servers and subprocesses as much as it computes.
+# within a file): the suite waits on servers and subprocesses as much as it computes. The
+# longest files go first (tests/conftest.py), not the ones with the most tests.
 test: $(STAMP)
-	$(VENV)/bin/pytest -n 2 --dist loadfile
+	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # torch is pinned to the CPU build (requirements.txt); kiln itself installs without deps
 # so pip cannot swap that pin for a CUDA build.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
-import sys
 import threading
 import urllib.request
 from dataclasses import dataclass
@@ -80,22 +80,36 @@ def _runner(params: Params, served: list):
 
 def run_worker(root: Path, params: Params, target: str, prefect_api_url: str) -> None:
     """`kiln worker TARGET`: a Prefect process worker on the pool, taking the target's build
-    runs and the control queue's rebuilds and verifications; it replaces this process."""
+    runs and the control queue's rebuilds and verifications, until Ctrl-C or SIGTERM."""
     if target not in params.pool.targets:
         raise KilnError(f"no build target {target!r} in pool.targets (params.yaml has {', '.join(params.pool.targets)})")
     if not _answers(f"{prefect_api_url.rstrip('/')}/health"):
         raise KilnError(f"no Prefect server answers at {prefect_api_url}: start it first (kiln up, or prefect server start)")
     from components.config import CONTROL_QUEUE
 
-    os.environ["PREFECT_API_URL"] = prefect_api_url
-    prefect = str(Path(sys.executable).parent / "prefect")
-    command = [prefect, "worker", "start", "--pool", params.pool.name, "--type", "process",
-               "--work-queue", target, "--work-queue", CONTROL_QUEUE, "--name", f"kiln-{target}-{socket.gethostname()}"]  # fmt: skip
+    os.environ["PREFECT_API_URL"] = prefect_api_url  # before prefect is imported
+    os.chdir(root)  # the worker's flow runs start here
+    row = params.pool.targets[target]
     render.console.print(
-        f"worker for target {target} ({params.pool.targets[target].backend}: {', '.join(params.pool.targets[target].precisions)}) on pool {params.pool.name}"
+        f"worker for target {target} ({row.backend}: {', '.join(row.precisions)}) on pool {params.pool.name}, queues {target} and {CONTROL_QUEUE}"
     )
-    os.chdir(root)
-    os.execv(prefect, command)
+    asyncio.run(_work(params.pool.name, [target, CONTROL_QUEUE], f"kiln-{target}-{socket.gethostname()}"))
+
+
+async def _work(pool: str, queues: list[str], name: str) -> None:
+    """The worker in this process rather than `prefect worker start`, whose SIGTERM handling
+    (forwarded to itself as SIGINT) left it running in Prefect 3.9: TERM and INT cancel it."""
+    from prefect.workers.process import ProcessWorker
+
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, main.cancel)
+    try:
+        async with ProcessWorker(work_pool_name=pool, work_queues=queues, name=name) as worker:
+            await worker.start()
+    except asyncio.CancelledError:
+        render.console.print(f"worker {name} stopped")
 
 
 def _start_listeners(root: Path, params: Params, settings: DeploySettings) -> list[tuple[str, object]]:

@@ -98,6 +98,17 @@ def write_corpus(directory: Path) -> None:
             (directory / f"near-duplicate-{index}-{variant}.txt").write_text(" ".join(words + [f"variant{variant}"]))
 
 
+# `make test` hands whole files to two workers in collection order (--dist loadfile,
+# --no-loadscope-reorder): the files that run servers and whole pipelines go first, so that
+# no long file starts last while the other worker sits idle.
+LONGEST_FIRST = ("test_cli.py", "test_triggers.py", "test_pool.py", "test_serving.py", "test_ui.py", "test_flow.py", "test_faults.py", "test_promotion.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
 def make_project(root: Path) -> Path:
     """A project folder: corpus, a DVC repo (no git) with a local remote."""
     root.mkdir(parents=True, exist_ok=True)

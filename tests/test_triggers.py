@@ -163,7 +163,8 @@ def deployed(tmp_path_factory):
     """A project (no run yet) under `kiln up`, with `kiln deploy` serving its deployments;
     stopping kiln deploy with SIGTERM must end it cleanly."""
     root = make_project(tmp_path_factory.mktemp("triggers") / "p")
-    params = tiny_params(root, triggers=TriggerParams(data_poll_interval_s=1, webhook_port=free_port()))
+    # A schedule that is valid but never due during a test (29 February).
+    params = tiny_params(root, triggers=TriggerParams(schedule="0 0 29 2 *", data_poll_interval_s=1, webhook_port=free_port()))
     (root / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
     with kiln_up(root) as up:
         log = root / "kiln-deploy.log"
@@ -184,6 +185,8 @@ def test_kiln_data_add_announces_the_new_version_and_the_triggered_rebuild_regis
     root, prefect = deployed.root, deployed.prefect
     for name in ("rebuild", "request-rebuild"):
         assert flow_runs(prefect, name) == []
+    request = httpx.get(f"{prefect}/api/deployments/name/request-rebuild/{MODEL}", timeout=10).json()
+    assert [(s["schedule"]["cron"], s["active"]) for s in request["schedules"]] == [("0 0 29 2 *", True)]
     new = corpus_file(root.parent / "incoming", "with-statement.txt", "with", "types")
     added = subprocess.run([KILN, "data", "add", str(new)], cwd=root, env=deployed.env, capture_output=True, text=True, timeout=300)
     assert added.returncode == 0, added.stderr[-3000:]
