@@ -6,18 +6,24 @@ the verify-promotion flow.
                       │   (coalesces)
     MLflow webhook → kiln.registry.alias-set → verify-promotion → verification.* tags
 
-Every trigger goes through `request-rebuild`, which runs one at a time and decides: start a
-rebuild, or join the one already waiting (it starts after the running one ends, so it sees
-every change made before it starts). A burst of triggers therefore yields one running
-rebuild and at most one queued. `rebuild` itself allows one run at a time (Prefect's
-deployment concurrency limit), so two rebuilds never share the stage folders or race to
-register; the registry's own lock and sha256 check keep an engine registered once.
+Every trigger goes through `request-rebuild`, whose runs decide in turn (holding a one-slot
+Prefect concurrency limit): start a rebuild, or join the one already waiting (it starts
+after the running one ends, so it sees every change made before it starts). A burst of
+triggers therefore yields one running rebuild and at most one queued. `rebuild` itself
+allows one run at a time (Prefect's deployment concurrency limit), so two rebuilds never
+share the stage folders or race to register; the registry's own lock and sha256 check keep
+an engine registered once.
+
+On a work pool (`kiln deploy --pool`) the rebuild prepares data, model and ONNX, then starts
+one `build-engines` run per build target on that target's work queue (`kiln worker
+TARGET`) and gives `challenger` to the fastest version that passed, from the registry.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +64,6 @@ def rebuild(project: str, params_file: str = "params.yaml", reason: str = "start
 
 
 def _is_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 

@@ -127,6 +127,27 @@ def test_the_webhook_receiver_hands_on_signed_alias_events_and_refuses_the_rest(
     assert [(e.model, e.alias, e.action, e.version) for e in seen] == [(MODEL, "champion", "created", "3")]
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["deploy", "--prefect-url", "http://127.0.0.1:9/api"], "no Prefect server answers at http://127.0.0.1:9/api: start one with `kiln up`"),
+        (["worker", "gpu", "--prefect-url", "http://127.0.0.1:9/api"], "no build target 'gpu' in pool.targets (params.yaml has cpu)"),
+        (["data", "add", "notes.txt"], "kiln data add grows a text-files corpus; data.source.kind is 'cpython-docs'"),
+    ],
+)
+def test_trigger_verbs_refuse_what_cannot_work_with_one_line_and_exit_2(tmp_path, monkeypatch, arguments, message):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")  # every default: the Python docs corpus, pool target cpu
+    (tmp_path / "notes.txt").write_text("a note")
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code == 2
+    assert " ".join(result.output.split()).startswith(f"error: {message}")
+
+
 # ---------------------------------------------------------------- kiln deploy under kiln up
 
 
