@@ -29,6 +29,9 @@ def kiln_environment(state: Path) -> dict[str, str]:
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
         "DO_NOT_TRACK": "true",  # mlflow reads "true", not "1"
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        # `mlflow server` otherwise starts its job runners (huey consumers: four processes,
+        # ~1 GB together) for features kiln does not use.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         "DVC_NO_ANALYTICS": "1",
     }
 
