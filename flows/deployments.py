@@ -33,6 +33,7 @@ from prefect.runtime import flow_run
 from components.config import CONTROL_QUEUE, Params, load_params
 from components.errors import KilnError
 from flows.events import ALIAS_SET, DATA_CHANGED, data_resource, registry_resource
+from registry import RegistryTarget, VersionInfo
 
 REBUILD, REQUEST_REBUILD, VERIFY_PROMOTION, BUILD_ENGINES = "rebuild", "request-rebuild", "verify-promotion", "build-engines"
 WAITING = ("SCHEDULED", "PENDING")  # AwaitingConcurrencySlot is a SCHEDULED state
@@ -177,7 +178,7 @@ def _rebuild_on_targets(root: Path, project: str, params_file: str, params: Para
     ]  # fmt: skip
     finals = _wait_until_final([run.id for run in runs])
     registry = registry_target(params.registry, root)
-    chosen = _fastest_passing_version(registry, shared.model.sha256, shared.data.md5)
+    chosen = fastest_passing_version(registry, shared.model.sha256, shared.data.md5)
     if chosen is not None:
         promote(registry, CHALLENGER, version=chosen.version)
     failed = [f"{run.name} ({', '.join(run.tags)}): {run.state.message}" for run in finals if not run.state.is_completed()]
@@ -199,7 +200,10 @@ def _wait_until_final(run_ids: list, poll_s: float = 2.0) -> list:
             time.sleep(poll_s)
 
 
-def _fastest_passing_version(registry, model_sha256: str, data_md5: str):
+def fastest_passing_version(registry: RegistryTarget, model_sha256: str, data_md5: str) -> VersionInfo | None:
+    """The pool's challenger: of this model's and data's versions, whichever machine built
+    them, the one with the lowest median latency that passed its gates and is not worse
+    than the champion (the same rule as `flows.pipeline.choose_challenger`)."""
     from registry import versions_tagged
 
     versions = versions_tagged(registry, {"source_model_sha256": model_sha256, "data_md5": data_md5, "gates.passed": "true"})

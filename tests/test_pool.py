@@ -23,6 +23,32 @@ from .live_server import KILN, answers, flow_runs, free_port, postgres_bin, post
 MODEL = "kiln-tiny"
 
 
+def test_the_pools_challenger_is_the_fastest_version_of_the_model_and_data_that_passed_everything(registry_target, engine_dir, tmp_path):
+    """Engines built on several machines meet only in the registry: the rebuild picks among
+    this model's and data's versions, skipping failed gates and a failed champion gate."""
+    from flows.deployments import fastest_passing_version
+    from registry import RunRecord, register_engine
+
+    from .conftest import engine_with_more_rows
+
+    candidates = [  # (source model, gates passed, champion gate passed, p50 ms)
+        ("model-a", "true", None, 9.0),
+        ("model-a", "true", "false", 5.0),  # faster, but worse than the champion
+        ("model-a", "false", None, 1.0),  # fastest, but failed its gates
+        ("model-b", "true", None, 7.0),  # another model's engine
+        ("model-a", "true", "true", 8.0),  # the one
+    ]
+    for index, (model, passed, champion, p50) in enumerate(candidates):
+        path = engine_dir.path if index == 0 else engine_with_more_rows(engine_dir, tmp_path / f"engine-{index}", index)
+        tags = {"source_model_sha256": model, "data_md5": "d.dir", "gates.passed": passed, "gates.latency.p50_ms": str(p50)}
+        if champion:
+            tags["gates.champion.passed"] = champion
+        register_engine(registry_target, path, engine_dir.sha256, RunRecord(params={}, metrics={}, version_tags=tags))
+    chosen = fastest_passing_version(registry_target, "model-a", "d.dir")
+    assert (chosen.version, chosen.tags["gates.latency.p50_ms"]) == ("5", "8.0")
+    assert fastest_passing_version(registry_target, "model-a", "other.dir") is None
+
+
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """The multi-machine setup on one machine: MLflow on PostgreSQL with its artifacts in a
