@@ -31,19 +31,31 @@ MODEL = "kiln-tiny"
 
 
 @pytest.mark.parametrize(
-    ("triggers", "message"),
+    ("sections", "message"),
     [
-        ({"schedule": "0 3 * *"}, "triggers.schedule: '0 3 * *' is not a cron expression"),
-        ({"timezone": "Mars/Olympus"}, "triggers.timezone: 'Mars/Olympus' is not an IANA time zone"),
-        ({"overlap": "pile-up"}, "triggers.overlap"),
-        ({"webhook_port": 0}, "triggers.webhook_port"),
+        ({"triggers": {"schedule": "0 3 * *"}}, "triggers.schedule: '0 3 * *' is not a cron expression"),
+        ({"triggers": {"timezone": "Mars/Olympus"}}, "triggers.timezone: 'Mars/Olympus' is not an IANA time zone"),
+        ({"triggers": {"overlap": "pile-up"}}, "triggers.overlap"),
+        ({"triggers": {"webhook_port": 0}}, "triggers.webhook_port"),
+        ({"pool": {"targets": {"control": {"precisions": ["fp32"]}}}}, "pool.targets: 'control' names the queue every worker takes"),
+        ({"pool": {"targets": {"gpu": {"backend": "tensorrt", "precisions": []}}}}, "pool.targets.gpu.precisions"),
     ],
 )
-def test_bad_trigger_settings_are_config_errors_naming_the_key(tmp_path, triggers, message):
+def test_bad_trigger_and_pool_settings_are_config_errors_naming_the_key(tmp_path, sections, message):
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump({"triggers": triggers}))
+    path.write_text(yaml.safe_dump(sections))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("*", r"\*")):
         load_params(path)
+
+
+def test_a_build_target_narrows_the_backend_and_precisions_and_nothing_else(tmp_path):
+    from components.config import BuildTarget, PoolParams
+    from flows.deployments import for_target
+
+    params = tiny_params(tmp_path, pool=PoolParams(targets={"gpu": BuildTarget(backend="tensorrt", precisions=["fp16", "int8"])}))
+    narrowed = for_target(params, "gpu")
+    assert (narrowed.build.backend, narrowed.precision.build) == ("tensorrt", ["fp16", "int8"])
+    assert narrowed.model_dump(exclude={"build": {"backend"}, "precision": {"build"}}) == params.model_dump(exclude={"build": {"backend"}, "precision": {"build"}})
 
 
 def test_a_cron_schedule_becomes_the_request_deployments_schedule_in_its_timezone(tmp_path):
