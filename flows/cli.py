@@ -184,11 +184,12 @@ def promote(
     reason: Annotated[str, typer.Option(help="why: recorded with who and when")] = "",
 ) -> None:
     """Move an alias (default: champion to the current challenger); the move is recorded."""
+    from flows.environment import person
     from registry import promote as promote_version
 
     with _one_line_errors():
         target = _registry(params_file)
-        info = promote_version(target, to_alias, from_alias, version, by=_person(), reason=reason, force=force)
+        info = promote_version(target, to_alias, from_alias, version, by=person(), reason=reason, force=force)
     forced = " [yellow](gates failed: forced, reason recorded)[/]" if info.tags.get("gates.passed") != "true" else ""
     render.console.print(f"{info.name}@{to_alias} → version {info.version}{forced}")
 
@@ -200,10 +201,11 @@ def rollback(
     reason: Annotated[str, typer.Option(help="why: recorded with who and when")] = "",
 ) -> None:
     """Move an alias back to the version it named before (a recorded move of its own)."""
+    from flows.environment import person
     from registry import rollback as roll_back
 
     with _one_line_errors():
-        info, replaced = roll_back(_registry(params_file), by=_person(), alias=alias, reason=reason)
+        info, replaced = roll_back(_registry(params_file), by=person(), alias=alias, reason=reason)
     render.console.print(f"{info.name}@{alias} → version {info.version} (was {replaced})")
 
 
@@ -226,14 +228,6 @@ def _registry(params_file: Path):
 
     _prepare_environment(Path.cwd())
     return registry_target(_load(params_file).registry, Path.cwd())
-
-
-def _person() -> str:
-    """Who moved an alias, as the version and model tags record it."""
-    import getpass
-    import socket
-
-    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 @app.command()

@@ -10,13 +10,13 @@ import os
 import signal
 import socket
 import threading
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from components.config import Params
 from components.errors import KilnError
 from flows import render
+from flows.servers import answers, reachable_host
 
 
 @dataclass(frozen=True)
@@ -25,19 +25,11 @@ class DeploySettings:
     mlflow_url: str  # an `mlflow server` on the project's store: only it delivers webhooks
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=3) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def check_servers(settings: DeploySettings, params: Params) -> None:
     """Both servers answer, before anything is registered or served."""
-    if not _answers(f"{settings.prefect_api_url.rstrip('/')}/health"):
+    if not answers(f"{settings.prefect_api_url.rstrip('/')}/health"):
         raise KilnError(f"no Prefect server answers at {settings.prefect_api_url}: start one with `kiln up` (or point PREFECT_API_URL at yours)")
-    if params.triggers.on_promotion and not _answers(f"{settings.mlflow_url.rstrip('/')}/health"):
+    if params.triggers.on_promotion and not answers(f"{settings.mlflow_url.rstrip('/')}/health"):
         raise KilnError(
             f"no MLflow server answers at {settings.mlflow_url}, and only an MLflow server delivers the alias webhooks that start "
             "verify-promotion: start `kiln up`, pass --mlflow-url, or set triggers.on_promotion: false"
@@ -83,7 +75,7 @@ def run_worker(root: Path, params: Params, target: str, prefect_api_url: str) ->
     runs and the control queue's rebuilds and verifications, until Ctrl-C or SIGTERM."""
     if target not in params.pool.targets:
         raise KilnError(f"no build target {target!r} in pool.targets (params.yaml has {', '.join(params.pool.targets)})")
-    if not _answers(f"{prefect_api_url.rstrip('/')}/health"):
+    if not answers(f"{prefect_api_url.rstrip('/')}/health"):
         raise KilnError(f"no Prefect server answers at {prefect_api_url}: start it first (kiln up, or prefect server start)")
     from components.config import CONTROL_QUEUE
 
@@ -146,8 +138,7 @@ def _start_receiver(root: Path, params: Params, settings: DeploySettings):
         receiver = ReceiverThread(app, triggers.webhook_host, triggers.webhook_port).start()
     except OSError as err:
         raise KilnError(str(err)) from err
-    host = "127.0.0.1" if triggers.webhook_host in ("0.0.0.0", "::", "") else triggers.webhook_host
-    hook = f"http://{host}:{triggers.webhook_port}/hooks/mlflow"
+    hook = f"http://{reachable_host(triggers.webhook_host)}:{triggers.webhook_port}/hooks/mlflow"
     register_alias_webhook(RegistryTarget(settings.mlflow_url, params.registry.model_name, params.registry.experiment), hook, secret, purpose="deploy")
     return receiver, hook
 

@@ -40,7 +40,11 @@ WAITING = ("SCHEDULED", "PENDING")  # AwaitingConcurrencySlot is a SCHEDULED sta
 
 
 def _project(project: str, params_file: str) -> tuple[Path, Params]:
+    """A flow run's project root and params, with kiln's environment set for that project."""
+    from flows.environment import prepare_environment
+
     root = Path(project)
+    prepare_environment(root)
     return root, load_params(root / params_file)
 
 
@@ -48,11 +52,9 @@ def _project(project: str, params_file: str) -> tuple[Path, Params]:
 def rebuild(project: str, params_file: str = "params.yaml", reason: str = "started by hand", dispatch: bool = False) -> str:
     """retrain-and-rebuild on the project's params.yaml, as `kiln run` does; with
     `dispatch` (a work pool), the engines are built by one build-engines run per target."""
-    from flows.environment import prepare_environment
     from flows.pipeline import retrain_and_rebuild
 
     root, params = _project(project, params_file)
-    prepare_environment(root)
     if _is_main_thread():
         # A stopped `kiln deploy` or worker sends TERM: unwind, so a registration in progress rolls back.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -152,11 +154,9 @@ def for_target(params: Params, target: str) -> Params:
 def build_engines(project: str, target: str, params_file: str = "params.yaml") -> str:
     """One target's engines of the model its rebuild prepared (found in the shared stage
     cache, not trained again): built, gated and registered; the rebuild picks the challenger."""
-    from flows.environment import prepare_environment
     from flows.pipeline import retrain_and_rebuild
 
     root, params = _project(project, params_file)
-    prepare_environment(root)
     result = retrain_and_rebuild(for_target(params, target), root, choose=False)
     return "; ".join(f"{o.precision}: version {o.registration.version}" for o in result.outcomes)
 
@@ -214,12 +214,10 @@ def fastest_passing_version(registry: RegistryTarget, model_sha256: str, data_md
 @flow(name=VERIFY_PROMOTION)
 def verify_promotion(project: str, alias: str, version: str, params_file: str = "params.yaml") -> str:
     """Check a version an alias was just set to, here, and tag the version with the result."""
-    from flows.environment import prepare_environment
     from flows.verification import record_verification, verify_version
     from registry import registry_target
 
     root, params = _project(project, params_file)
-    prepare_environment(root)
     target = registry_target(params.registry, root)
     verification = verify_version(target, version, params, root)
     record_verification(target, verification, alias, flow_run.get_id())

@@ -7,7 +7,9 @@ The test suite uses the same variables, pointed at its own temporary state folde
 
 from __future__ import annotations
 
+import getpass
 import os
+import socket
 from pathlib import Path
 
 from components.workspace import Workspace
@@ -41,3 +43,8 @@ def prepare_environment(root: Path) -> None:
     for name, value in kiln_environment(Workspace(root).state).items():
         os.environ.setdefault(name, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # prefect makes only the leaf
+
+
+def person() -> str:
+    """Who is acting (`user@host`), as alias moves and verifications record it."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"

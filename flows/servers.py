@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from rich.console import Console
@@ -79,22 +80,29 @@ def webhook_environment(root: Path) -> dict[str, str]:
 def register_serving_webhook(root: Path, params: Params, mlflow_url: str, process: subprocess.Popen, timeout_s: float = 120) -> str:
     """Once the MLflow server answers, have it POST alias changes to `kiln serve`'s
     /hooks/mlflow, signed with the project's webhook secret."""
-    import urllib.request
-
     from flows.serving import ensure_webhook_secret
     from registry import RegistryTarget, register_alias_webhook
 
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{mlflow_url}/health", timeout=2):
-                break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise KilnError(f"the MLflow server at {mlflow_url} did not start; see its output above") from None
-            time.sleep(0.5)
-    host = "127.0.0.1" if params.serving.host in ("0.0.0.0", "::", "") else params.serving.host  # listening everywhere: reach it on loopback
-    hook = f"http://{host}:{params.serving.port}/hooks/mlflow"
+    while not answers(f"{mlflow_url}/health"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise KilnError(f"the MLflow server at {mlflow_url} did not start; see its output above")
+        time.sleep(0.5)
+    hook = f"http://{reachable_host(params.serving.host)}:{params.serving.port}/hooks/mlflow"
     target = RegistryTarget(mlflow_url, params.registry.model_name, params.registry.experiment)
     register_alias_webhook(target, hook, ensure_webhook_secret(root))
     return hook
+
+
+def answers(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether a server's health URL answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def reachable_host(host: str) -> str:
+    """Where a local client reaches a server bound to `host`: loopback for one listening everywhere."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

@@ -10,8 +10,6 @@ this records why, where a person looks (the version page).
 
 from __future__ import annotations
 
-import getpass
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,6 +20,7 @@ from components.data import dvc_md5, split_texts
 from components.errors import KilnError
 from components.gates import GateResult, quality_gate_against
 from components.model_dir import model_from_directory
+from flows.environment import person
 from registry import RegistryTarget, tag_version
 from serving import loader
 
@@ -44,7 +43,7 @@ class Verification:
             "passed": str(self.passed).lower(),
             "alias": alias,
             "at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "by": f"{getpass.getuser()}@{socket.gethostname()}",
+            "by": person(),
         }
         if run:
             tags["flow_run"] = run
