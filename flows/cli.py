@@ -8,6 +8,7 @@ files, unreachable registry).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -417,6 +418,9 @@ def main() -> None:
     # A TERM (a supervisor, `timeout`, Ctrl-C's cousin) unwinds like an exception, so a
     # registration in progress is rolled back instead of left half-done.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a long-running kiln
+    # (deploy, serve, worker) is waiting, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         app()
     except KeyboardInterrupt:

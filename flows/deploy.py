@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,28 +47,38 @@ def serve_deployments(root: Path, params_file: str, params: Params, settings: De
 
     ensure_request_lock(params.registry.model_name)
     served, descriptions = deployments(root, params_file, params, pool=pool)
-    if pool:
-        apply_to_pool(served, params.pool.name)
-    listeners = _start_listeners(root, params, settings)
     where = f"work pool {params.pool.name!r} (kiln worker {'|'.join(params.pool.targets)})" if pool else "this process"
-    render.deployments(descriptions, [name for name, _ in listeners], settings.prefect_api_url, where)
+    listeners: list[tuple[str, object]] = []
+
+    def open_for_triggers() -> None:
+        """Once the server holds the deployments (and their triggers): the listeners that
+        feed them, then the table. In that order, no event arrives before its automation
+        and nobody reads the table before the server has what it lists."""
+        listeners.extend(_start_listeners(root, params, settings))
+        render.deployments(descriptions, [name for name, _ in listeners], settings.prefect_api_url, where)
+
     try:
         if pool:
+            apply_to_pool(served, params.pool.name)
+            open_for_triggers()
             threading.Event().wait()  # until Ctrl-C or SIGTERM (SystemExit from the CLI's handler)
         else:
-            asyncio.run(_runner(params, served).start())
+            asyncio.run(_serve_here(params, served, open_for_triggers))
     finally:
         for _, listener in listeners:
             listener.stop()
 
 
-def _runner(params: Params, served: list):
+async def _serve_here(params: Params, served: list, registered: Callable[[], None]) -> None:
+    """A Runner in this process. Registered from this loop (`aadd_deployment`) rather than
+    through `add_deployment`, which hands each one to Prefect's global loop thread."""
     from prefect.runner import Runner
 
     runner = Runner(name=f"kiln-deploy-{params.registry.model_name}")
     for deployment in served:
-        runner.add_deployment(deployment)
-    return runner
+        await runner.aadd_deployment(deployment)
+    registered()
+    await runner.start()
 
 
 def run_worker(root: Path, params: Params, target: str, prefect_api_url: str) -> None:

@@ -238,11 +238,14 @@ class Served:
 def deployments(root: Path, params_file: str, params: Params, pool: bool = False) -> tuple[list, list[Served]]:
     """The RunnerDeployments for this project, and what each starts on. With `pool`, they
     are meant for a work pool: rebuild dispatches to build-engines, one run per target."""
+    from prefect._internal.versioning import VersionType  # to_deployment's own type; not re-exported
     from prefect.types.entrypoint import EntrypointType
 
     # By module, not file path: loading flows/deployments.py by path puts flows/ first on
     # sys.path, where flows/serving.py then shadows the serving package.
-    common = {"entrypoint_type": EntrypointType.MODULE_PATH}
+    # A plain version: otherwise each registration runs git five times over (Prefect infers a
+    # GitHub, GitLab, ... version from the working directory, which is a project, not kiln).
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "version_type": VersionType.SIMPLE}
     if pool:
         common["work_queue_name"] = CONTROL_QUEUE
     base = {"project": str(root), "params_file": params_file}

@@ -176,12 +176,17 @@ def flow_runs(prefect: str, flow: str) -> list[dict]:
     return httpx.post(f"{prefect}/api/flow_runs/filter", json=body, timeout=10).json()
 
 
-def wait_for(condition, timeout_s: float, what: str, log: Path | None = None, every_s: float = 0.5):
-    """`condition()`'s first truthy value; fails naming `what`, with the log's tail, on timeout."""
+def wait_for(condition, timeout_s: float, what: str, log: Path | None = None, every_s: float = 0.5, stacks_of: subprocess.Popen | None = None):
+    """`condition()`'s first truthy value; fails naming `what`, with the log's tail, on timeout.
+    With `stacks_of` (a kiln process writing to `log`), the tail holds its threads' stacks
+    (kiln prints them on SIGUSR1), so a hang says where it waits."""
     deadline = time.monotonic() + timeout_s
     while not (found := condition()):
         if time.monotonic() > deadline:
-            tail = log.read_text()[-4000:] if log else ""
+            if stacks_of is not None and stacks_of.poll() is None:
+                stacks_of.send_signal(signal.SIGUSR1)
+                time.sleep(1)
+            tail = log.read_text()[-12000 if stacks_of else -4000 :] if log else ""
             raise AssertionError(f"{what} did not happen within {timeout_s:.0f} s\n{tail}")
         time.sleep(every_s)
     return found

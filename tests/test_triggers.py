@@ -205,9 +205,12 @@ def deployed(tmp_path_factory):
         deploy = subprocess.Popen(
             [KILN, "deploy", "--mlflow-url", up.mlflow], cwd=root, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
         )
-        wait_for(lambda: "stops it" in log.read_text() or deploy.poll() is not None, 120, "kiln deploy starting", log)
+        wait_for(lambda: "stops it" in log.read_text() or deploy.poll() is not None, 120, "kiln deploy starting", log, stacks_of=deploy)
         assert deploy.poll() is None, log.read_text()[-3000:]
-        up.deploy_log = log
+        deploy.send_signal(signal.SIGUSR1)  # where a running kiln waits, printed without stopping it
+        wait_for(lambda: "most recent call first" in log.read_text(), 30, "kiln deploy printing its stacks on SIGUSR1", log)
+        assert deploy.poll() is None, log.read_text()[-3000:]
+        up.deploy_log, up.deploy = log, deploy
         yield up
         deploy.send_signal(signal.SIGTERM)
         assert deploy.wait(timeout=60) in (0, 143), log.read_text()[-3000:]
@@ -218,7 +221,9 @@ def test_kiln_data_add_announces_the_new_version_and_the_triggered_rebuild_regis
     root, prefect = deployed.root, deployed.prefect
     for name in ("rebuild", "request-rebuild"):
         assert flow_runs(prefect, name) == []
-    request = httpx.get(f"{prefect}/api/deployments/name/request-rebuild/{MODEL}", timeout=10).json()
+    answer = httpx.get(f"{prefect}/api/deployments/name/request-rebuild/{MODEL}", timeout=10)
+    assert answer.status_code == 200, f"kiln deploy printed its table before the server had the deployment: {answer.text}"
+    request = answer.json()
     assert [(s["schedule"]["cron"], s["active"]) for s in request["schedules"]] == [("0 0 29 2 *", True)]
     new = corpus_file(root.parent / "incoming", "with-statement.txt", "with", "types")
     added = subprocess.run([KILN, "data", "add", str(new)], cwd=root, env=deployed.env, capture_output=True, text=True, timeout=300)
@@ -227,7 +232,7 @@ def test_kiln_data_add_announces_the_new_version_and_the_triggered_rebuild_regis
     assert f"data version {md5}" in added.stdout and "announced kiln.data.changed" in added.stdout
     assert (root / "corpus" / "with-statement.txt").read_text() == new.read_text()
 
-    (run,) = wait_for(lambda: finished(prefect, "rebuild", 0), 400, "the triggered rebuild", deployed.deploy_log, every_s=2)
+    (run,) = wait_for(lambda: finished(prefect, "rebuild", 0), 400, "the triggered rebuild", deployed.deploy_log, every_s=2, stacks_of=deployed.deploy)
     assert run["state_type"] == "COMPLETED", deployed.deploy_log.read_text()[-4000:]
     assert md5 in run["parameters"]["reason"] and "kiln data add" in run["parameters"]["reason"]
     registered = versions(root)
@@ -253,7 +258,7 @@ def test_a_burst_of_five_triggers_yields_one_rebuild_and_never_more_than_one_wai
         most_running = max(most_running, sum(r["state_type"] == "RUNNING" for r in runs))
         return len(finished(prefect, "request-rebuild", requests_before)) == 5 and len(finished(prefect, "rebuild", before)) == len(runs)
 
-    wait_for(all_handled, 300, "five requests handled and their rebuilds finished", deployed.deploy_log, every_s=0.3)
+    wait_for(all_handled, 300, "five requests handled and their rebuilds finished", deployed.deploy_log, every_s=0.3, stacks_of=deployed.deploy)
     rebuilds = flow_runs(prefect, "rebuild")[before:]
     assert 1 <= len(rebuilds) <= 2 and most_waiting <= 1 and most_running <= 1
     assert all(r["state_type"] == "COMPLETED" for r in rebuilds)
@@ -273,14 +278,14 @@ def test_data_versions_that_change_without_an_event_are_noticed_by_the_watcher(d
     assert added.returncode == 0, added.stderr[-3000:]
     assert "PREFECT_API_URL is not set" in added.stderr and "kiln deploy` notices the new data.dvc" in added.stderr
     grown = data_md5(root)
-    (run,) = wait_for(lambda: finished(prefect, "rebuild", before), 400, "a rebuild of the unannounced version", deployed.deploy_log, every_s=2)
+    (run,) = wait_for(lambda: finished(prefect, "rebuild", before), 400, "a rebuild of the unannounced version", deployed.deploy_log, every_s=2, stacks_of=deployed.deploy)
     assert run["state_type"] == "COMPLETED" and f"data changed to {grown} (data.dvc changed)" in run["parameters"]["reason"]
     assert versions(root)[-1]["data_md5"] == grown
 
     (root / "data.dvc").write_text((root.parent / "data-v1.dvc").read_text())
     subprocess.run([DVC, "checkout", "-q", "--force"], cwd=root, check=True)
     older = data_md5(root)
-    (run,) = wait_for(lambda: finished(prefect, "rebuild", before + 1), 400, "a rebuild after dvc checkout", deployed.deploy_log, every_s=2)
+    (run,) = wait_for(lambda: finished(prefect, "rebuild", before + 1), 400, "a rebuild after dvc checkout", deployed.deploy_log, every_s=2, stacks_of=deployed.deploy)
     assert run["state_type"] == "COMPLETED" and f"data changed to {older} (data.dvc changed)" in run["parameters"]["reason"]
     assert [v["data_md5"] for v in versions(root)] == [older, grown]  # the older data's engine was already registered
 
@@ -295,7 +300,7 @@ def set_alias(mlflow: str, alias: str, version: str) -> None:
 def test_an_alias_set_in_mlflow_starts_verify_promotion_whose_result_lands_on_the_version(deployed):
     prefect, before = deployed.prefect, len(flow_runs(deployed.prefect, "verify-promotion"))
     set_alias(deployed.mlflow, "champion", "2")
-    (run,) = wait_for(lambda: finished(prefect, "verify-promotion", before), 300, "verify-promotion", deployed.deploy_log)
+    (run,) = wait_for(lambda: finished(prefect, "verify-promotion", before), 300, "verify-promotion", deployed.deploy_log, stacks_of=deployed.deploy)
     assert run["state_type"] == "COMPLETED" and run["parameters"]["version"] == "2"
     tags = versions(deployed.root)[1]
     assert tags["verification.passed"] == "true" and tags["verification.alias"] == "champion"
@@ -314,7 +319,7 @@ def test_verify_promotion_fails_a_version_whose_stored_engine_no_longer_matches_
     with engine_file.open("ab") as handle:
         handle.write(b"tampered")
     set_alias(deployed.mlflow, "champion", "1")
-    (run,) = wait_for(lambda: finished(prefect, "verify-promotion", before), 300, "verify-promotion", deployed.deploy_log)
+    (run,) = wait_for(lambda: finished(prefect, "verify-promotion", before), 300, "verify-promotion", deployed.deploy_log, stacks_of=deployed.deploy)
     assert run["state_type"] == "FAILED"
     tags = versions(deployed.root)[0]
     assert tags["verification.passed"] == "false"
