@@ -74,7 +74,7 @@ def _nll_per_char(contender: Contender, texts: list[str], params: GateParams) ->
     total_nll, total_chars = 0.0, 0
     for start in range(0, len(windows), 4):
         batch = windows[start : start + 4]
-        logits, _ = contender.engine.prefill(batch, np.ones_like(batch))
+        logits = contender.engine.score(batch, np.ones_like(batch))
         total_nll += float(target_nll(logits, batch).sum())
         total_chars += sum(len(contender.tokenizer.decode(row[1:].tolist())) for row in batch)
     return total_nll / max(total_chars, 1)

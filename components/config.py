@@ -185,8 +185,9 @@ class TensorRTParams(_Section):
 
 
 class BuildParams(_Section):
-    # auto: TensorRT where it imports and an NVIDIA GPU is present, else ONNX Runtime.
-    backend: Literal["auto", "onnxruntime", "tensorrt"] = "auto"
+    # auto: TensorRT where it imports and an NVIDIA GPU is present; else torch-cuda (fp32 and
+    # fp16) where torch sees a CUDA GPU; else ONNX Runtime (components.build.resolve_backend).
+    backend: Literal["auto", "onnxruntime", "tensorrt", "torch-cuda"] = "auto"
     profiles: ProfileParams = ProfileParams()
     threads: int | None = Field(None, ge=1)
     tensorrt: TensorRTParams = TensorRTParams()

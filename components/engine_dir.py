@@ -63,7 +63,7 @@ class EngineManifest(_Frozen):
     backend_version: str
     precision: str
     target: str
-    opset: int
+    opset: int | None = None  # the ONNX opset; None for a program that never was ONNX (torch-cuda)
     engine_file: str
     engine_sha256: str
     inputs: list[str]
@@ -77,6 +77,8 @@ class EngineManifest(_Frozen):
     profiles: dict[str, ShapeProfile]
     lineage: Lineage
     parity: ParityRecord
+    # What the engine file depends on beyond the backend's version (torch-cuda: torch, CUDA, GPU).
+    runtime: dict[str, str] = {}
 
     @property
     def past_names(self) -> list[str]:

@@ -150,7 +150,7 @@ def quality_gate(engine: Engine, reference, windows: np.ndarray, params: Quality
     with stage_progress("quality gate", total=len(windows)) as advance:
         for start in range(0, len(windows), batch_size):
             batch = windows[start : start + batch_size]
-            engine_logits, _ = engine.prefill(batch, np.ones_like(batch))
+            engine_logits = engine.score(batch, np.ones_like(batch))
             reference_logits = _reference_logits(reference, batch)
             engine_argmax.append(engine_logits[:, :-1].argmax(-1).ravel())
             reference_argmax.append(reference_logits[:, :-1].argmax(-1).ravel())

@@ -122,10 +122,12 @@ def rows_from_samples(samples: dict[str, list[float]], new_tokens: int, baseline
     return rows
 
 
-def write_json(rows: list[BenchRow], setup: BenchSetup, path: Path) -> None:
+def write_json(rows: list[BenchRow], setup: BenchSetup, path: Path, batches: list[int] | None = None) -> None:
+    """The rows as JSON; `batches` gives each row's batch (default: all batch 1)."""
+    batches = batches or [1] * len(rows)
     payload = {
-        "setup": asdict(setup) | {"batch": 1},
-        "rows": [{k: v for k, v in asdict(r).items() if k != "runs_ms"} | {"runs_ms": list(r.runs_ms)} for r in rows],
+        "setup": asdict(setup) | ({"batch": 1} if set(batches) == {1} else {}),
+        "rows": [{k: v for k, v in asdict(r).items() if k != "runs_ms"} | {"batch": b, "runs_ms": list(r.runs_ms)} for r, b in zip(rows, batches, strict=True)],
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
 

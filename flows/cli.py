@@ -261,6 +261,7 @@ def bench(
     precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time")] = "fp32,int8",
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
     shape: Annotated[str, typer.Option(help="gpt2-small (124M, the measurement) or tiny (a quick check that it runs)")] = "gpt2-small",
+    device: Annotated[str, typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF eager fp16 and HF static cache + torch.compile vs the torch-cuda engine, batch 1 and 16")] = "cpu",
 ) -> None:
     """Side-by-side generation benchmark: HF generate vs kiln engines (GPT-2-small shape).
     `kiln bench serving` benchmarks the server instead."""
@@ -271,12 +272,29 @@ def bench(
 
     if shape not in bm.SHAPES:
         _fail(KilnError(f"--shape {shape!r} is not one of {', '.join(bm.SHAPES)}"))
+    if device not in ("cpu", "cuda"):
+        _fail(KilnError(f"--device {device!r} is not cpu or cuda"))
     setup = bm.BenchSetup(runs=runs)
+    if device == "cuda":
+        return _bench_cuda(work, setup, shape, json_path)
     with _one_line_errors():
         rows = bm.benchmark_rows(work, precisions.split(","), setup, shape)
     render.bench_rows(rows, setup, shape)
     if json_path is not None:
         bm.write_json(rows, setup, json_path)
+        render.console.print(f"rows written to {json_path}")
+
+
+def _bench_cuda(work: Path, setup, shape: str, json_path: Path | None) -> None:
+    from flows import bench as bm
+    from flows.bench_cuda import cuda_rows
+
+    with _one_line_errors():
+        results = cuda_rows(work, setup, shape)
+    for result in results:
+        render.bench_rows(result.rows, setup, shape, result.batch)
+    if json_path is not None:
+        bm.write_json([row for result in results for row in result.rows], setup, json_path, batches=[r.batch for r in results for _ in r.rows])
         render.console.print(f"rows written to {json_path}")
 
 

@@ -84,12 +84,13 @@ def pipeline_result(result) -> None:
         console.print(f"  {result.sample!r}", highlight=False)
 
 
-def bench_rows(rows, setup, shape: str) -> None:
-    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch 1, {shape} shape")
-    for column in ("name", "median ms", "ms / token", "speed-up vs HF"):
+def bench_rows(rows, setup, shape: str, batch: int = 1) -> None:
+    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch {batch}, {shape} shape")
+    for column in ("name", "median ms", "ms / token", "tokens / s", "speed-up vs HF"):
         table.add_column(column, justify="left" if column == "name" else "right")
     for row in rows:
-        table.add_row(row.name, f"{row.median_ms:.0f}", f"{row.ms_per_token:.2f}", f"{row.speedup_vs_hf:.2f}×")
+        tokens_per_s = batch * setup.new_tokens / (row.median_ms / 1000)
+        table.add_row(row.name, f"{row.median_ms:.1f}", f"{row.ms_per_token:.3f}", f"{tokens_per_s:,.0f}", f"{row.speedup_vs_hf:.2f}×")
     console.print(table)
 
 

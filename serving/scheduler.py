@@ -237,9 +237,12 @@ class Scheduler:
         keep = [i for i in range(len(self._running)) if i not in gone]
         self._running = [self._running[i] for i in keep]
         self._next = self._next[keep]
-        self._state = self._state.rows(keep) if keep else None
+        state = self._state.rows(keep)  # frees the dropped rows' cache (an engine's device slots too)
+        self._state = state if keep else None
 
     def _fail_all(self, message: str) -> None:
         for seq in self._running:
             seq.emit(Failed(message))
+        if self._state is not None:
+            self._state.rows([])  # gives the cache back (an engine's device slots)
         self._running, self._state, self._next = [], None, np.zeros(0, np.int64)

@@ -19,7 +19,11 @@ def test_the_json_holds_the_setup_and_every_run(tmp_path):
     bm.write_json(rows, bm.BenchSetup(runs=2), tmp_path / "bench.json")
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["setup"]["batch"] == 1 and saved["setup"]["runs"] == 2
-    assert saved["rows"] == [{"name": "hf-eager-fp32", "median_ms": 11.0, "ms_per_token": 2.75, "speedup_vs_hf": 1.0, "runs_ms": [10.0, 12.0]}]
+    assert saved["rows"] == [{"name": "hf-eager-fp32", "median_ms": 11.0, "ms_per_token": 2.75, "speedup_vs_hf": 1.0, "batch": 1, "runs_ms": [10.0, 12.0]}]
+    # `kiln bench --device cuda`: rows of batch 1 and 16 in one file, each saying its batch.
+    bm.write_json(rows * 2, bm.BenchSetup(runs=2), tmp_path / "cuda.json", batches=[1, 16])
+    saved = json.loads((tmp_path / "cuda.json").read_text())
+    assert "batch" not in saved["setup"] and [row["batch"] for row in saved["rows"]] == [1, 16]
 
 
 def test_the_benchmark_engines_are_what_the_pipeline_builds(tmp_path):

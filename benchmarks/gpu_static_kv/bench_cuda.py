@@ -25,7 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from engine_files import device_facts
-from static_kv import DecodeStep, StaticKVGPT2, StaticKVRunner, bytes_of_weights, causal_bias, randomize_biases
+from components.runtime.static_kv import DecodeStep, StaticKVGPT2, StaticKVRunner, bytes_of_weights, causal_bias, randomize_biases
 
 PROMPT_LEN, NEW_TOKENS, SLOTS, CONTEXT = 32, 128, 16, 1024
 T0 = time.perf_counter()
@@ -296,7 +296,7 @@ def main() -> None:
     bf16_step = compile_(DecodeStep(kbf16, CONTEXT))
 
     def triton_step(model: StaticKVGPT2, blocks: dict | None = None):
-        from triton_decode import TritonDecodeStep
+        from components.runtime.triton_decode import TritonDecodeStep
 
         step = TritonDecodeStep(dict(model.named_parameters()), model.shape, CONTEXT, linear_layout=model.linear_layout)
         for k, v in (blocks or {}).items():
@@ -432,10 +432,10 @@ def main() -> None:
             kc, vc = k32.new_cache(SLOTS, CONTEXT)
             pos = torch.arange(PROMPT_LEN, device=DEV).expand(SLOTS, PROMPT_LEN)
             keys = torch.arange(64, device=DEV)
-            last = torch.full((SLOTS,), PROMPT_LEN - 1, device=DEV)
-            l32 = k32(ids, pos, causal_bias(pos, keys, torch.float32), last, kc, vc).float()
+            last = torch.full((SLOTS, 1), PROMPT_LEN - 1, device=DEV)
+            l32 = k32(ids, pos, causal_bias(pos, keys, torch.float32), last, kc, vc)[:, 0].float()
             kc16, vc16 = k16.new_cache(SLOTS, CONTEXT)
-            l16 = k16(ids, pos, causal_bias(pos, keys, torch.float16), last, kc16, vc16).float()
+            l16 = k16(ids, pos, causal_bias(pos, keys, torch.float16), last, kc16, vc16)[:, 0].float()
             corr["prefill_logits_max_abs_diff_fp32_engine_vs_hf_fp32"] = float((l32 - ref_logits).abs().max())
             corr["prefill_logits_max_abs_diff_fp16_engine_vs_hf_fp32"] = float((l16 - ref_logits).abs().max())
             corr["ref_logit_std"] = float(ref_logits.std())

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from static_kv import GPT2Shape, StaticKVGPT2, causal_bias
+from components.runtime.static_kv import GPT2Shape, StaticKVGPT2, causal_bias
 
 ENGINE_FILE = "model.pt2"
 MANIFEST = "engine.json"

@@ -46,7 +46,7 @@ def load_phase(args: argparse.Namespace) -> dict:
     t["cuda_init_s"] = time.perf_counter() - t0
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_files import MEGA_CACHE, load_program, shape_of
-    from static_kv import StaticKVRunner
+    from components.runtime.static_kv import StaticKVRunner
 
     engine = Path(args.engine_dir)
     if args.mega_load:
@@ -63,7 +63,7 @@ def load_phase(args: argparse.Namespace) -> dict:
     if args.fast:
         # Batch-1 decode through the Triton kernels (JIT-compiled on first use, cached in
         # TRITON_CACHE_DIR); wider calls through the compiled step.
-        from triton_decode import TritonDecodeStep
+        from components.runtime.triton_decode import TritonDecodeStep
 
         fast = TritonDecodeStep(dict(program.named_parameters()), shape_of(manifest), profile["max_context"])
     runner = StaticKVRunner(
@@ -106,7 +106,7 @@ def build_phase(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_cuda import build_hf
     from engine_files import Profile, build_engine_dir
-    from static_kv import StaticKVGPT2
+    from components.runtime.static_kv import StaticKVGPT2
 
     engine = Path(args.engine_dir)
     shutil.rmtree(engine, ignore_errors=True)

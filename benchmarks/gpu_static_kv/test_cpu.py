@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from engine_files import Profile, build_engine_dir, load_program
-from static_kv import StaticKVGPT2, StaticKVRunner, causal_bias, randomize_biases
+from components.runtime.static_kv import StaticKVGPT2, StaticKVRunner, causal_bias, randomize_biases
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [5, 4, 3]]
 
@@ -65,8 +65,8 @@ def test_prefill_and_decode_logits_match_hf(hf: GPT2LMHeadModel) -> None:
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
         pos[i, : len(p)] = torch.arange(len(p))
-    last = torch.tensor([len(p) - 1 for p in prompts])
-    logits = model(ids, pos, causal_bias(pos, torch.arange(32), torch.float32), last, kc, vc)
+    last = torch.tensor([[len(p) - 1] for p in prompts])
+    logits = model(ids, pos, causal_bias(pos, torch.arange(32), torch.float32), last, kc, vc)[:, 0]
     for i, p in enumerate(prompts):
         ref = hf(torch.tensor([p])).logits[0, -1]
         torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
@@ -77,7 +77,7 @@ def test_prefill_and_decode_logits_match_hf(hf: GPT2LMHeadModel) -> None:
         step_pos = torch.tensor([len(s) for s in seqs]).view(3, 1)
         for s, t in zip(seqs, cur.tolist()):
             s.append(t)
-        logits = model(cur.view(3, 1), step_pos, causal_bias(step_pos, torch.arange(32), torch.float32), torch.zeros(3, dtype=torch.long), kc, vc)
+        logits = model(cur.view(3, 1), step_pos, causal_bias(step_pos, torch.arange(32), torch.float32), torch.zeros(3, 1, dtype=torch.long), kc, vc)[:, 0]
         for i, s in enumerate(seqs):
             torch.testing.assert_close(logits[i], hf(torch.tensor([s])).logits[0, -1], atol=1e-4, rtol=1e-4)
         cur = logits.argmax(-1)
@@ -152,7 +152,7 @@ def _triton_interpreter():
     if torch.cuda.is_available():
         pytest.skip("interpreter check is for machines without a GPU")
     pytest.importorskip("triton")
-    import triton_decode
+    import components.runtime.triton_decode as triton_decode
 
     return triton_decode
 
@@ -163,7 +163,7 @@ def _triton_interpreter():
 )
 def test_triton_step_matches_decode_step(hf: GPT2LMHeadModel, tiles: dict | None) -> None:
     td = _triton_interpreter()
-    from static_kv import DecodeStep
+    from components.runtime.static_kv import DecodeStep
 
     model = StaticKVGPT2.from_hf(hf)
     ref, fast = DecodeStep(model, 64), td.TritonDecodeStep(dict(model.named_parameters()), model.shape, 64)

@@ -12,7 +12,9 @@ from components.errors import BackendUnavailable
 from components.model_dir import TrainedModel
 from components.precision import PrecisionOnnx
 
-__all__ = ["STAGE_VERSION", "engine_from_onnx", "lineage_of", "resolve_backend", "timing_cache_of"]
+TORCH_PRECISIONS = ("fp32", "fp16")
+
+__all__ = ["STAGE_VERSION", "TORCH_PRECISIONS", "engine_from_onnx", "lineage_of", "resolve_backend", "timing_cache_of"]
 
 
 def lineage_of(model: TrainedModel, graph: PrecisionOnnx, data: DataVersion) -> Lineage:
@@ -31,15 +33,19 @@ def timing_cache_of(params: BuildParams, project_root: Path) -> Path:
     return project_root / params.tensorrt.timing_cache
 
 
-def resolve_backend(requested: str) -> str:
-    """`auto` is TensorRT where it imports and an NVIDIA GPU is present, else ONNX Runtime."""
-    from components.runtime.availability import tensorrt_ready
+def resolve_backend(requested: str, precision: str = "fp32") -> str:
+    """The backend that builds `precision`. `auto` is TensorRT where it imports and an NVIDIA
+    GPU is present; else torch-cuda where torch sees a CUDA GPU, for the precisions it has
+    (fp32, fp16; int8 stays on ONNX Runtime); else ONNX Runtime."""
+    from components.runtime.availability import tensorrt_ready, torch_cuda_ready
 
-    ready, why_not = tensorrt_ready()
-    if requested == "tensorrt" and not ready:
-        raise BackendUnavailable(f"build.backend is tensorrt, but {why_not}")
     if requested == "auto":
-        return "tensorrt" if ready else "onnxruntime"
+        if tensorrt_ready()[0]:
+            return "tensorrt"
+        return "torch-cuda" if torch_cuda_ready()[0] and precision in TORCH_PRECISIONS else "onnxruntime"
+    for backend, ready in (("tensorrt", tensorrt_ready), ("torch-cuda", torch_cuda_ready)):
+        if requested == backend and not (answer := ready())[0]:
+            raise BackendUnavailable(f"build.backend is {backend}, but {answer[1]}")
     return requested
 
 
@@ -47,12 +53,19 @@ def engine_from_onnx(
     graph: PrecisionOnnx, model: TrainedModel, data: DataVersion, params: BuildParams, out_root: Path, project_root: Path
 ) -> EngineDir:
     """Build one engine; the directory carries its lineage back to model, ONNX and data.
-    Relative paths in `params` (the TensorRT timing cache) are relative to `project_root`."""
+    Relative paths in `params` (the TensorRT timing cache) are relative to `project_root`.
+    A torch-cuda engine is built from the model itself (its lineage names no precision ONNX)."""
     lineage = lineage_of(model, graph, data)
-    if resolve_backend(params.backend) == "tensorrt":
+    backend = resolve_backend(params.backend, graph.precision)
+    if backend == "tensorrt":
         from components.build.tensorrt import trt_engine_from_onnx
 
         return trt_engine_from_onnx(graph, model.path, lineage, params, out_root, timing_cache_of(params, project_root))
+    if backend == "torch-cuda":
+        from components.build.torch_cuda import torch_engine_from_model
+
+        lineage = lineage.model_copy(update={"precision_onnx_sha256": None, "calibration_digest": None})
+        return torch_engine_from_model(model.path, graph.precision, lineage, params.profiles, out_root)
     from components.build.onnxruntime import ort_engine_from_onnx
 
     return ort_engine_from_onnx(graph, model.path, lineage, params, out_root)

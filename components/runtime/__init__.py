@@ -29,4 +29,8 @@ def open_engine(engine_dir: EngineDir, threads: int | None = None) -> Engine:
         from components.runtime.tensorrt import TrtEngine
 
         return TrtEngine(engine_dir)
+    if backend == "torch-cuda":
+        from components.runtime.torch_cuda import TorchCudaEngine
+
+        return TorchCudaEngine(engine_dir)
     raise BackendUnavailable(f"engine {engine_dir.path} needs backend {backend!r}, which this kiln cannot run")

@@ -16,7 +16,7 @@ class BackendStatus:
 
 
 def backend_statuses() -> list[BackendStatus]:
-    return [_onnxruntime_status(), _tensorrt_status()]
+    return [_onnxruntime_status(), _tensorrt_status(), _torch_cuda_status()]
 
 
 def _onnxruntime_status() -> BackendStatus:
@@ -36,6 +36,33 @@ def _tensorrt_status() -> BackendStatus:
     import tensorrt
 
     return BackendStatus("tensorrt", True, True, f"TensorRT {tensorrt.__version__}; GPU: {gpu}")
+
+
+def _torch_cuda_status() -> BackendStatus:
+    ready, why_not = torch_cuda_ready()
+    if not ready:
+        return BackendStatus("torch-cuda", False, False, why_not)
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        import triton
+
+        kernels = f"Triton {triton.__version__} (one-row decode kernels)"
+    except ImportError:
+        kernels = "no Triton (Inductor's decode step only)"
+    auto = "build.backend auto builds fp32 and fp16 with it" + (" (TensorRT comes first here)" if tensorrt_ready()[0] else "")
+    details = f"torch {torch.__version__}, CUDA {torch.version.cuda}; GPU: {torch.cuda.get_device_name()} (sm_{major}{minor}); {kernels}; {auto}"
+    return BackendStatus("torch-cuda", True, True, details)
+
+
+def torch_cuda_ready() -> tuple[bool, str]:
+    """(True, "") where torch sees a CUDA GPU, else (False, why)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA GPU (CUDA {torch.version.cuda or 'not built in'})"
+    return True, ""
 
 
 def tensorrt_ready() -> tuple[bool, str]:

@@ -97,6 +97,11 @@ class Engine(ABC):
         logits, cache = self.forward(input_ids, attention_mask, positions, self._empty_cache(len(input_ids)))
         return logits, DecodeState(cache, attention_mask, positions[:, -1:])
 
+    def score(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Every position's logits (batch, sequence, vocab) of left-padded rows: what the
+        quality gates compare with the PyTorch model."""
+        return self.prefill(input_ids, attention_mask)[0]
+
     def decode(self, state: DecodeState, next_ids: np.ndarray) -> tuple[np.ndarray, DecodeState]:
         """Generation phase: one new token per row; returns its logits (batch, vocab)."""
         self._check_generation(len(next_ids), state.past_length)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from static_kv import GPT2Shape
+from components.runtime.static_kv import GPT2Shape
 
 
 @triton.jit

@@ -3,8 +3,8 @@
 The pieces, bottom up:
 
 * `StaticKVGPT2` — the model as one pure function of (tokens, positions, attention bias,
-  last index, k_cache, v_cache). It writes the new tokens' keys and values into the
-  caches in place and returns logits for one position per row. The same `forward` serves
+  picked, k_cache, v_cache). It writes the new tokens' keys and values into the
+  caches in place and returns logits for the picked positions of each row. The same `forward` serves
   prefill (P tokens per row) and decode (P = 1), so a single `torch.export` program is the
   whole engine, and it runs unchanged on CPU in fp32 (what the CPU test compares with HF).
 * `StaticKVRunner` — owns the caches and the per-slot state on the device, captures
@@ -22,7 +22,8 @@ Conventions that the rest relies on:
   cache every layer). The runner allocates the lowest free slot so rows stay compact.
 * Prompts are right-padded: each sequence starts at position 0 of its slot, so a slot's
   position is just its token count and decode needs no per-row offset. Pad tokens carry
-  position `max_context` (scratch) and `last_index` picks each row's last real token.
+  position `max_context` (scratch) and `picked` names each row's last real token (decode,
+  prefill) or every token (kiln's gates score all positions).
 * Greedy only: argmax runs inside the captured graph; sampling would need graph-safe RNG
   state and is left to the integration.
 """
@@ -149,13 +150,14 @@ class StaticKVGPT2(nn.Module):
         input_ids: Tensor,  # (B, P) int64
         positions: Tensor,  # (B, P) int64; max_context (scratch) for tokens to discard
         attn_bias: Tensor,  # (B, 1, P, A) model dtype, 0 or -inf; A = attended cache length
-        last_index: Tensor | None,  # (B,) int64: which of the P tokens gives the logits; None: all
+        picked: Tensor,  # (B, K) int64: which of the P tokens give logits (K = 1 to generate, P to score)
         k_cache: Tensor,  # (L, S, H, T+1, D), written in place, S >= B
         v_cache: Tensor,
     ) -> Tensor:
-        """Logits (B, vocab) of one token per row, after writing all B*P tokens' k/v.
+        """Logits (B, K, vocab) of the picked tokens, after writing all B*P tokens' k/v.
 
-        With last_index None: logits of every token, (B, P, vocab) (gates, perplexity).
+        One signature for generating (K = 1) and scoring (K = P), so that one exported
+        program is the whole engine: what the gates score is what the server runs.
         """
         s = self.shape
         B, P = input_ids.shape
@@ -188,10 +190,7 @@ class StaticKVGPT2(nn.Module):
                 f = F.gelu(torch.addmm(self.b_fc[layer], a, self._w(self.w_fc, layer)), approximate="tanh")
             x = x + torch.addmm(self.b_mp[layer], f, self._w(self.w_mp, layer))
         # Logits only for the one position per row that is needed.
-        if last_index is None:
-            x_last = x.view(B, P, E)
-        else:
-            x_last = x.view(B, P, E)[torch.arange(B, device=x.device), last_index]
+        x_last = x.view(B, P, E)[torch.arange(B, device=x.device).view(B, 1), picked]
         x_last = F.layer_norm(x_last, (E,), self.lnf_w, self.lnf_b, s.eps)
         return F.linear(x_last, self.wte if self.lm_head is None else self.lm_head)
 
@@ -209,7 +208,7 @@ class StaticKVGPT2(nn.Module):
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         pos = torch.where(attention_mask.bool(), pos, torch.full_like(pos, P))
         bias = causal_bias(pos, torch.arange(P, device=input_ids.device), self.wte.dtype)
-        return self(input_ids, pos, bias, None, kc, vc)
+        return self(input_ids, pos, bias, torch.arange(P, device=input_ids.device).expand(B, P), kc, vc)
 
 
 def new_cache(
@@ -253,8 +252,8 @@ class DecodeStep(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         pos = positions.unsqueeze(1)
         bias = causal_bias(pos, key_range, k_cache.dtype)
-        logits = self.core(tokens.unsqueeze(1), pos, bias, torch.zeros_like(tokens), k_cache, v_cache)
-        nxt = logits.argmax(-1)
+        logits = self.core(tokens.unsqueeze(1), pos, bias, torch.zeros_like(pos), k_cache, v_cache)
+        nxt = logits[:, 0].argmax(-1)
         tokens.copy_(torch.where(active, nxt, tokens))
         positions.copy_((positions + active.long()).clamp(max=self.max_context))
         return nxt
@@ -279,8 +278,8 @@ class PrefillStep(nn.Module):
         P = self.P
         ids, pos = packed[:, :P], packed[:, P : 2 * P]
         last, is_new, length = packed[:, 2 * P], packed[:, 2 * P + 1].bool(), packed[:, 2 * P + 2]
-        logits = self.core(ids, pos, causal_bias(pos, key_range, k_cache.dtype), last, k_cache, v_cache)
-        first = logits.argmax(-1)
+        logits = self.core(ids, pos, causal_bias(pos, key_range, k_cache.dtype), last.unsqueeze(1), k_cache, v_cache)
+        first = logits[:, 0].argmax(-1)
         tokens.copy_(torch.where(is_new, first, tokens))
         positions.copy_(torch.where(is_new, length, positions))
         active.copy_(active | is_new)

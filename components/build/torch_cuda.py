@@ -1,0 +1,191 @@
+"""Building for the torch-cuda backend: the trained model as a static-KV program.
+
+The engine file is a `torch.export` ExportedProgram of `StaticKVGPT2.forward` (one
+function for prefill, decode and scoring; the caches are mutated inputs), with the batch,
+token count, attended length and picked positions dynamic and the cache's shape fixed by
+the profile (slots = the batch profile's max, context = the context profile's max). It is
+built from the Hugging Face model directory, not from the precision ONNX: the dtype (fp32,
+fp16, bf16) is the program's weights, and int8 has no torch-cuda form.
+
+`engine.json` records torch's and CUDA's versions and the GPU architecture the program
+was built on (`sm_90`), or `cpu` for a program built without CUDA (kiln's CPU tests);
+components.runtime.torch_cuda refuses to load one elsewhere, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from components.build.packaging import BackendBuild, engine_folder, eos_id, profiles_from_params
+from components.config import ProfileParams, section_digest
+from components.engine_dir import MANIFEST, TOKENIZER_FILES, EngineDir, EngineManifest, Lineage, ParityRecord, load_engine_dir, write_manifest
+from components.errors import BuildError
+from components.files import file_sha256, stage_output
+
+BACKEND = "torch-cuda"
+ENGINE_FILE = "model.pt2"
+PROGRAM_INPUTS = ["input_ids", "positions", "attn_bias", "picked", "k_cache", "v_cache"]
+DTYPES = {"fp32": "float32", "fp16": "float16"}  # bf16 measured no faster and less exact (benchmarks/gpu_static_kv/REPORT.md)
+# Largest logit difference from the fp32 PyTorch model that a build accepts: fp32 differs by
+# summation order only, fp16 by its rounding (3.3e-3 measured on the H200 for GPT-2 small).
+PARITY_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
+
+
+def torch_target(device: str) -> str:
+    """`sm_XY` of the CUDA device the program is built and run on, or `cpu`."""
+    import torch
+
+    if device == "cpu":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return f"sm_{major}{minor}"
+
+
+def torch_versions() -> dict[str, str]:
+    """What a program depends on: torch, the CUDA it was built with, the GPU by name."""
+    import torch
+
+    facts = {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name()
+    return facts
+
+
+def torch_engine_from_model(
+    model_dir: Path, precision: str, lineage: Lineage, profiles: ProfileParams, out_root: Path, device: str = "cuda"
+) -> EngineDir:
+    """A torch-cuda engine directory for `model_dir` in `precision`, built on `device`."""
+    import torch
+
+    if precision not in DTYPES:
+        raise BuildError(f"the torch-cuda backend builds {', '.join(DTYPES)}; precision {precision} has no torch-cuda form (use onnxruntime or tensorrt)")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise BuildError(f"the torch-cuda backend needs a CUDA GPU; torch {torch.__version__} sees none")
+    build = BackendBuild(BACKEND, torch.__version__, torch_target(device), ENGINE_FILE)
+    identity = (section_digest(profiles)[:8], lineage.source_model_sha256[:12])
+    target = engine_folder(out_root, build, precision, *identity)
+
+    def fill(staging: Path) -> None:
+        hf = _hf_model(model_dir)
+        program, parity = _export_checked(hf, precision, profiles, device)
+        torch.export.save(program, staging / ENGINE_FILE)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(model_dir / name, staging / name)
+        write_manifest(staging, _manifest(staging, build, hf.config, precision, model_dir, lineage, profiles, parity))
+
+    return load_engine_dir(stage_output(target, MANIFEST, fill))
+
+
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+
+
+def _export_checked(hf, precision: str, profiles: ProfileParams, device: str):
+    """The exported program, and its parity with the fp32 model, checked against the tolerance."""
+    import torch
+
+    from components.runtime.static_kv import StaticKVGPT2
+
+    static = StaticKVGPT2.from_hf(hf, dtype=getattr(torch, DTYPES[precision]), device=device)
+    program = export_program(static, profiles.batch.max, profiles.context.max)
+    parity = program_parity(program.module(), hf, profiles.batch.max, profiles.context.max, device, PARITY_TOLERANCE[precision])
+    if max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) > parity.tolerance:
+        raise BuildError(
+            f"the {precision} torch-cuda program differs from the PyTorch model by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff):.3g} "
+            f"in its logits (tolerance {parity.tolerance:g})"
+        )
+    return program, parity
+
+
+def export_program(model, num_slots: int, max_context: int):
+    """`model.forward` exported with the cache shape baked in (slots × context) and every
+    other size dynamic. The example inputs are dropped before saving: they hold the two
+    full-size caches (1.2 GB at 16 slots × 1024 in fp32)."""
+    import torch
+    from torch.export import Dim
+
+    from components.runtime.static_kv import causal_bias
+
+    k_cache, v_cache = model.new_cache(num_slots, max_context)
+    device, dtype = model.wte.device, model.wte.dtype
+    # Example sizes of at least 2 everywhere: export specialises a size-1 dimension to 1.
+    batch, tokens, attended = min(2, num_slots), 3, 16
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+    positions = torch.arange(tokens, device=device).expand(batch, tokens).contiguous()
+    bias = causal_bias(positions, torch.arange(attended, device=device), dtype)
+    picked = torch.arange(2, device=device).expand(batch, 2).contiguous()
+    rows, width = Dim("rows", min=1, max=num_slots), Dim("tokens", min=1, max=max_context)
+    dynamic = {
+        "input_ids": {0: rows, 1: width},
+        "positions": {0: rows, 1: width},
+        "attn_bias": {0: rows, 2: width, 3: Dim("attended", min=1, max=max_context)},
+        "picked": {0: rows, 1: Dim("picked", min=1, max=max_context)},
+        "k_cache": None,
+        "v_cache": None,
+    }
+    with torch.no_grad():
+        program = torch.export.export(model, (ids, positions, bias, picked, k_cache, v_cache), dynamic_shapes=dynamic, strict=False)
+    program.example_inputs = None
+    return program
+
+
+def program_parity(program, hf, num_slots: int, max_context: int, device: str, tolerance: float, decode_steps: int = 3) -> ParityRecord:
+    """Largest logit difference between the program and the fp32 Hugging Face model: every
+    position of a two-row prompt batch, then `decode_steps` greedy steps on the cache."""
+    import torch
+
+    from components.runtime.static_kv import causal_bias, new_cache
+
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, hf.config.vocab_size, (2, 7), generator=generator)
+    steps = torch.randint(0, hf.config.vocab_size, (2, decode_steps), generator=generator)
+    weight = next(program.parameters())
+    k_cache, v_cache = new_cache(_shape_of(hf.config), num_slots, max_context, weight.dtype, weight.device)  # the program's own cache shape
+    keys = torch.arange(max_context, device=device)
+    with torch.no_grad():
+        reference = hf(torch.cat([prompt, steps], dim=1)).logits
+        P = prompt.shape[1]
+        positions = torch.arange(P, device=device).expand(2, P)
+        ours = program(prompt.to(device), positions, causal_bias(positions, keys, weight.dtype), positions, k_cache, v_cache)
+        prefill = float((ours.float().cpu() - reference[:, :P]).abs().max())
+        decode = 0.0
+        for step in range(decode_steps):
+            at = torch.full((2, 1), P + step, device=device)
+            logits = program(steps[:, step : step + 1].to(device), at, causal_bias(at, keys, weight.dtype), torch.zeros_like(at), k_cache, v_cache)
+            decode = max(decode, float((logits[:, 0].float().cpu() - reference[:, P + step]).abs().max()))
+    return ParityRecord(prefill_max_abs_diff=prefill, decode_max_abs_diff=decode, tolerance=tolerance)
+
+
+def _shape_of(config):
+    from components.runtime.static_kv import GPT2Shape
+
+    return GPT2Shape.from_hf_config(config)
+
+
+def _manifest(staging: Path, build: BackendBuild, config, precision: str, model_dir: Path, lineage: Lineage, profiles: ProfileParams, parity: ParityRecord) -> EngineManifest:
+    return EngineManifest(
+        backend=build.backend,
+        backend_version=build.version,
+        precision=precision,
+        target=build.target,
+        opset=None,
+        engine_file=build.engine_file,
+        engine_sha256=file_sha256(staging / build.engine_file),
+        inputs=PROGRAM_INPUTS,
+        outputs=["logits"],
+        num_layers=config.n_layer,
+        num_heads=config.n_head,
+        head_dim=config.n_embd // config.n_head,
+        vocab_size=config.vocab_size,
+        max_positions=config.n_positions,
+        eos_token_id=eos_id(model_dir),
+        profiles=profiles_from_params(profiles),
+        lineage=lineage,
+        parity=parity,
+        runtime=torch_versions() | {"shape": json.dumps(asdict(_shape_of(config)))},
+    )
