@@ -286,6 +286,63 @@ class PrefillStep(nn.Module):
         return first
 
 
+class LogitsStepGraphs:
+    """One decode step that hands its logits to the host (kiln serve samples each request
+    with its own settings there), for rows 0..B-1 of a runner's cache; on CUDA captured in
+    a graph per (row width, attended length), both bucketed so that few are ever captured.
+
+    Rows past B up to the width are free slots: their token writes to the scratch column.
+    """
+
+    def __init__(self, runner: StaticKVRunner, vocab_size: int) -> None:
+        self.runner = runner
+        S, device = runner.S, runner.device
+        self.ids = torch.zeros(S, 1, dtype=torch.long, device=device)
+        self.positions = torch.full((S, 1), runner.T, dtype=torch.long, device=device)
+        self.picked = torch.zeros(S, 1, dtype=torch.long, device=device)
+        self.logits = torch.zeros(S, vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if runner.use_graphs else None
+
+    @torch.no_grad()
+    def __call__(self, next_ids: Sequence[int], positions: Sequence[int]) -> Tensor:
+        """Logits (B, vocab) on the host, fp32, after writing each row's token at its position."""
+        runner, B = self.runner, len(next_ids)
+        width = runner._width(B - 1)
+        attended = runner._attn_len(max(positions) + 1)
+        self.ids[:B, 0].copy_(torch.as_tensor(next_ids))
+        self.positions[:B, 0].copy_(torch.as_tensor(positions))
+        self.positions[B:width].fill_(runner.T)  # free slots: scratch
+        if not runner.use_graphs:
+            self._body(width, attended)
+        else:
+            graph = self._graphs.get((width, attended))
+            if graph is None:
+                graph = self._graphs[(width, attended)] = self._capture(width, attended)
+            graph.replay()
+        return self.logits[:B].cpu()
+
+    def _body(self, width: int, attended: int) -> None:
+        runner = self.runner
+        positions = self.positions[:width]
+        bias = causal_bias(positions, runner.key_range[:attended], runner.dtype)
+        logits = runner.model(self.ids[:width], positions, bias, self.picked[:width], runner.k_cache, runner.v_cache)
+        self.logits[:width].copy_(logits[:, 0])
+
+    def _capture(self, width: int, attended: int) -> torch.cuda.CUDAGraph:
+        # The eager warm-up run computes this very step (capture needs one run first); the
+        # replay that follows writes the same keys and values again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(width, attended)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._body(width, attended)
+        return graph
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -628,6 +685,7 @@ def bytes_of_weights(model: StaticKVGPT2) -> int:
 
 __all__ = [
     "GPT2Shape",
+    "LogitsStepGraphs",
     "StaticKVGPT2",
     "StaticKVRunner",
     "DecodeStep",

@@ -27,6 +27,7 @@ from components.engine_dir import EngineDir, EngineManifest
 from components.errors import BackendUnavailable, EngineError, ShapeOutOfProfile
 from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
+from components.runtime.static_kv import LogitsStepGraphs
 
 
 def device_for(manifest: EngineManifest) -> str:
@@ -67,6 +68,7 @@ class TorchCudaEngine(Engine):
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
         self.runner = self._runner()
+        self._step = LogitsStepGraphs(self.runner, self.manifest.vocab_size)  # kiln serve's decode step
         self._held = 0  # slots 0.._held-1 belong to step-wise sequences (prefill/decode)
 
     def _runner(self):
@@ -131,21 +133,13 @@ class TorchCudaEngine(Engine):
         return logits.float().cpu().numpy(), SlotState(self, list(range(held, held + B)), attention_mask.sum(axis=1).astype(np.int64))
 
     def decode(self, state: SlotState, next_ids: np.ndarray) -> tuple[np.ndarray, SlotState]:
-        """One token for every held slot; its logits (batch, vocab) and the advanced state."""
-        import torch
-
-        from components.runtime.static_kv import causal_bias
-
+        """One token for every held slot; its logits (batch, vocab) and the advanced state.
+        On CUDA the step is a graph per (rows, attended length) bucket."""
         if state.slots != list(range(self._held)):
             raise EngineError(f"decode needs the state of every held slot, in order (0..{self._held - 1}); got {state.slots}")
         self._check_generation(len(next_ids), int(state.lengths.max()))
-        runner = self.runner
-        positions = torch.as_tensor(state.lengths, device=self.device).view(-1, 1)
-        with torch.no_grad():
-            bias = causal_bias(positions, runner.key_range[: int(state.lengths.max()) + 1], runner.dtype)
-            ids = torch.as_tensor(next_ids, device=self.device).view(-1, 1)
-            logits = runner.model(ids, positions, bias, torch.zeros_like(positions), runner.k_cache, runner.v_cache)
-        return logits[:, 0].float().cpu().numpy(), SlotState(self, state.slots, state.lengths + 1)
+        logits = self._step(next_ids.tolist(), state.lengths.tolist())
+        return logits.numpy(), SlotState(self, state.slots, state.lengths + 1)
 
     def forward(self, input_ids, attention_mask, position_ids, cache):
         raise EngineError("torch-cuda engines keep their KV cache on the device: use prefill and decode (slots), score or generate")
