@@ -166,8 +166,32 @@ def test_on_the_gpu_greedy_tokens_match_the_pytorch_model_for_32_steps(tmp_path,
     with open_engine(engine_dir) as engine, torch.no_grad():
         ours = engine.generate(prompts, Sampling(max_new_tokens=32, stop_at_eos=False))
         theirs = [reference.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 3:].tolist() for p in prompts]
+        stepwise = greedy_step_by_step(engine, prompts, 32)  # kiln serve's path: slots, decode graphs, host argmax
     agree = sum(a == b for a, b in zip(ours, theirs, strict=True))
     assert agree == len(prompts) if precision == "fp32" else agree >= len(prompts) - 1  # fp16: a near-tie may round the other way
+    assert sum(a == b for a, b in zip(stepwise, ours, strict=True)) >= len(prompts) - (precision == "fp16")
+
+
+def greedy_step_by_step(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens through prefill and decode (rows in slots 0..n-1), as kiln serve's scheduler drives them."""
+    from components.runtime.engine import left_pad
+
+    ids, mask = left_pad(prompts, engine.manifest.eos_token_id)
+    logits, state = engine.prefill(ids, mask)
+    tokens = logits[:, -1].argmax(-1)
+    out = [[t] for t in tokens.tolist()]
+    for _ in range(new_tokens - 1):
+        logits, state = engine.decode(state, tokens)
+        tokens = logits.argmax(-1)
+        for row, token in zip(out, tokens.tolist(), strict=True):
+            row.append(token)
+    state.rows([])
+    return out
+
+
+def test_step_by_step_decoding_gives_the_tokens_of_generate(cpu_engine, engine_dir):
+    prompts = [EngineTokenizer(engine_dir.path).encode(t) for t in ("The list", "A function is defined", "When")]
+    assert greedy_step_by_step(cpu_engine, prompts, 20) == cpu_engine.generate(prompts, Sampling(max_new_tokens=20, stop_at_eos=False))
 
 
 def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_its_own_sampling(cpu_engine_dir, engine, engine_dir):
