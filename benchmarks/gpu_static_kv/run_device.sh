@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the device machine, from the repo root: bash benchmarks/gpu_static_kv/run_device.sh [bench] [load] [...]
+# On the device machine, from the repo root: bash benchmarks/gpu_static_kv/run_device.sh [kilnbench] [kiln] [steps] [test] [bench]
 # Everything it writes lands in $OUT (at most 8 files come back).
 set -o pipefail
 cd "$(dirname "$0")"
@@ -11,7 +11,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d "$ROOT/.whl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-# Compile caches of the bench live in /tmp (load_times keeps its own beside the engine).
+# Compile caches of the prototype's bench live in /tmp (kiln's engines keep theirs beside the engine).
 export TORCHINDUCTOR_CACHE_DIR=/tmp/kiln_inductor TRITON_CACHE_DIR=/tmp/kiln_triton
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm --format=csv
@@ -22,7 +22,6 @@ cat "$OUT/env.txt"
 for step in "$@"; do
   case "$step" in
     bench) timeout "${BENCH_TIMEOUT:-420}" python3 bench_cuda.py --out "$OUT" --budget-s "${BENCH_BUDGET:-400}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
-    load) timeout "${LOAD_TIMEOUT:-200}" python3 load_times.py --out "$OUT" --timeout 120 ${LOAD_PHASES:+--phases $LOAD_PHASES} 2>&1 | tee "$OUT/load.log" ;;
     kilnbench) (cd "$ROOT" && timeout "${KILNBENCH_TIMEOUT:-400}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 -c 'from flows.cli import main; main()' bench --device cuda --runs "${RUNS:-5}" --work /tmp/kiln-bench --json "$OUT/kiln_bench.json" 2>&1 | tee "$OUT/kiln_bench.log") ;;
     kiln) timeout "${KILN_TIMEOUT:-500}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 kiln_engine.py --out "$OUT" --kit "$ROOT/.devicekit" --bench-work /tmp/kiln-bench ${KILN_PHASES:+--phases $KILN_PHASES} 2>&1 | tee "$OUT/kiln.log" ;;
     steps) (cd "$ROOT" && timeout "${STEPS_TIMEOUT:-300}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 benchmarks/gpu_static_kv/serving_steps.py --out "$OUT" 2>&1 | tee "$OUT/steps.log") ;;

@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from engine_files import Profile, build_engine_dir, load_program
 from components.runtime.static_kv import StaticKVGPT2, StaticKVRunner, causal_bias, randomize_biases
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [5, 4, 3]]
@@ -130,10 +129,11 @@ def test_gpt2_small_shape_tied_head_matches_hf() -> None:
 
 
 def test_export_roundtrip_matches_eager(hf: GPT2LMHeadModel, tmp_path: Path) -> None:
+    from components.build.torch_cuda import export_program
+
     model = StaticKVGPT2.from_hf(hf)
-    manifest = build_engine_dir(model, Profile(num_slots=4, max_context=64), tmp_path)
-    assert manifest["backend"] == "torch-cuda" and (tmp_path / "model.pt2").exists()
-    program, _ = load_program(tmp_path)
+    torch.export.save(export_program(model, num_slots=4, max_context=64), tmp_path / "model.pt2")
+    program = torch.export.load(tmp_path / "model.pt2").module()
     from_program = StaticKVRunner(model, num_slots=4, max_context=64, decode_core=program, prefill_core=program)
     eager = StaticKVRunner(model, num_slots=4, max_context=64)
     assert from_program.generate(PROMPTS, 8) == eager.generate(PROMPTS, 8)
