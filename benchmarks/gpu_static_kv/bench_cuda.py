@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from engine_files import device_facts
 from components.runtime.static_kv import DecodeStep, StaticKVGPT2, StaticKVRunner, bytes_of_weights, causal_bias, randomize_biases
 
 PROMPT_LEN, NEW_TOKENS, SLOTS, CONTEXT = 32, 128, 16, 1024
@@ -33,6 +32,13 @@ T0 = time.perf_counter()
 # exercise every code path on the development machine before spending device time.
 SMOKE = os.environ.get("KILN_BENCH_SMOKE") == "1"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_facts() -> dict:
+    """torch, CUDA and the GPU (as kiln's engine.json records them), and the architecture."""
+    from components.build.torch_cuda import torch_target, torch_versions
+
+    return torch_versions() | ({"arch": torch_target("cuda")} if torch.cuda.is_available() else {})
 
 
 def compile_(fn, **kwargs):

@@ -3,8 +3,8 @@ by components.build.torch_cuda, opened by components.runtime (TorchCudaEngine), 
 components.gates.quality_gate. Phases (each writes a JSON under --out):
 
   gates   the default model kiln trains (carried: --kit/model, --kit/eval.parquet) built in
-          fp32 and fp16: build time, the quality gate against the PyTorch model, greedy
-          tokens vs the fp32 PyTorch model for 32 steps.
+          fp32 and fp16: build time, the quality and latency gates (params.yaml's defaults)
+          against the PyTorch model, greedy tokens vs the fp32 PyTorch model for 32 steps.
   load    cold (empty compile caches) and warm (caches kept beside the engine) loads of
           the engine `kiln bench --device cuda` built (--bench-work), each in a fresh
           process: open + warm-up until ready.
@@ -47,7 +47,8 @@ def build(model_dir: Path, precision: str, context: int, out: Path) -> tuple[obj
 def gates_phase(kit: Path, work: Path) -> dict:
     import pandas as pd
 
-    from components.gates import eval_windows, quality_gate
+    from components.config import LatencyGateParams
+    from components.gates import eval_windows, latency_gate, latency_prompt, quality_gate
     from components.model_dir import load_model
     from components.runtime import open_engine
     from components.runtime.sampling import Sampling
@@ -62,6 +63,8 @@ def gates_phase(kit: Path, work: Path) -> dict:
         windows = eval_windows(EngineTokenizer(engine_dir.path), texts, params)
         with open_engine(engine_dir) as engine:
             gate = quality_gate(engine, reference, windows, params)
+            latency_params = LatencyGateParams()
+            latency = latency_gate(engine, latency_prompt(windows, latency_params.prompt_tokens), latency_params)
             first = [w[:16].tolist() for w in windows[:16]]
             ours = engine.generate(first, Sampling(max_new_tokens=32, stop_at_eos=False))
         with torch.no_grad():
@@ -71,6 +74,7 @@ def gates_phase(kit: Path, work: Path) -> dict:
             "passed": gate.passed,
             "measured": gate.measured,
             "thresholds": gate.thresholds,
+            "latency": {"passed": latency.passed, "measured": latency.measured, "thresholds": latency.thresholds},
             "greedy_rows_identical_32": sum(a == b for a, b in zip(ours, theirs, strict=True)),
             "rows": len(first),
             "parity": engine_dir.manifest.parity.model_dump(),
