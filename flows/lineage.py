@@ -27,11 +27,12 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         "calibration_digest": manifest.lineage.calibration_digest or "none",
         "source_model_sha256": manifest.lineage.source_model_sha256,
         "onnx_sha256": manifest.lineage.onnx_sha256,
-        "precision_onnx_sha256": manifest.lineage.precision_onnx_sha256 or manifest.lineage.onnx_sha256,
+        # Engines from before precisions were built from the fp32 export; torch-cuda's from the model.
+        "precision_onnx_sha256": manifest.lineage.precision_onnx_sha256 or ("none" if manifest.backend == "torch-cuda" else manifest.lineage.onnx_sha256),
         "git_commit": git_commit,
         "params_sha256": params.digest(),
         "gates.passed": str(report.passed).lower(),
-    }
+    } | {f"runtime.{name}": value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
     if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
         tags["gates.champion.passed"] = str(against_champion.passed).lower()
         tags |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}
@@ -123,8 +124,7 @@ def version_description(
     perplexity += f" ([training run]({training.ui_fragment}))" if training else ""
     lines += [
         f"- model sha256 `{model.sha256[:16]}`{perplexity}",
-        f"- ONNX `{m.lineage.onnx_sha256[:16]}` → {m.precision} ONNX `{(m.lineage.precision_onnx_sha256 or m.lineage.onnx_sha256)[:16]}`"
-        f" → engine `{m.engine_sha256[:16]}` (profiles `{m.profiles_sha256[:16]}`)",
+        _built_from(m) + f" → engine `{m.engine_sha256[:16]}` (profiles `{m.profiles_sha256[:16]}`)",
         f"- git commit `{git_commit[:12]}`, params sha256 `{params.digest()[:16]}`",
         "",
         "### Reports",
@@ -132,6 +132,13 @@ def version_description(
         "The gate report (`gates/report.md`, `gates/report.json`) and the latency plot (`gates/latency.png`) are artifacts of the run below.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _built_from(m) -> str:
+    """What the engine file was made from: the precision ONNX, or (torch-cuda) the model itself."""
+    if m.backend == "torch-cuda":
+        return f"- model → {m.precision} `torch.export` program over a static KV cache ({', '.join(f'{k} {v}' for k, v in m.runtime.items() if k != 'shape')})"
+    return f"- ONNX `{m.lineage.onnx_sha256[:16]}` → {m.precision} ONNX `{(m.lineage.precision_onnx_sha256 or m.lineage.onnx_sha256)[:16]}`"
 
 
 def _champion_gate_section(against_champion: GateResult | None) -> list[str]:

@@ -224,3 +224,15 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
         assert seq.generated == engine.generate([seq.prompt], seq.sampling)[0]
     assert sampled[0].generated == sampled[1].generated and len(sampled[0].generated) == 9
     assert scheduler.close(timeout=10)
+
+
+def test_its_registry_tags_and_version_page_say_what_it_was_built_from_and_for(cpu_engine_dir, params, tiny_model):
+    from components.gates import GateReport, GateResult
+    from flows.lineage import version_description, version_tags
+
+    report = GateReport((GateResult("quality", True, {"top1_agreement": 1.0}, {"min_top1_agreement": 0.99}),))
+    tags = version_tags(params, cpu_engine_dir, report, "0" * 40)
+    assert (tags["backend"], tags["target"], tags["runtime.torch"], tags["precision_onnx_sha256"]) == ("torch-cuda", "cpu", torch.__version__, "none")
+    assert "runtime.shape" not in tags
+    page = version_description(params, tiny_model, cpu_engine_dir, report, None, "0" * 40, None)
+    assert f"torch-cuda {torch.__version__} · `cpu`" in page and "- model → fp32 `torch.export` program over a static KV cache (torch " in page

@@ -27,43 +27,14 @@ import torch
 
 from bench_cuda import NEW_TOKENS, build_hf, hf_generate, hf_on, log, prompts, timed
 
-
-def make_static_cache(model, batch: int, max_len: int):
-    from transformers import StaticCache
-
-    try:  # transformers >= 5: layers are allocated lazily on first update
-        return StaticCache(config=model.config, max_cache_len=max_len)
-    except TypeError:
-        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, device="cuda", dtype=torch.float16)
+from flows.bench_cuda import StaticCacheLoop
 
 
-class ManualLoop:
-    """Eager prefill, compiled one-token forward over HF's StaticCache, argmax in Python."""
+class ManualLoop(StaticCacheLoop):
+    """Eager prefill, compiled one-token forward over HF's StaticCache (kiln bench's peer)."""
 
-    def __init__(self, model) -> None:
-        self.model = model
-        self.fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        self.caches: dict[int, object] = {}
-
-    @torch.no_grad()
     def generate(self, ids: torch.Tensor) -> torch.Tensor:
-        B, P = ids.shape
-        cache = self.caches.get(B)
-        if cache is None:
-            # One cache per batch size, reset per generation: a new cache would have new
-            # addresses and force cudagraph trees to record again.
-            cache = self.caches[B] = make_static_cache(self.model, B, P + NEW_TOKENS)
-        else:
-            cache.reset()
-        logits = self.model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(P, device="cuda")).logits
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        out = [nxt]
-        for i in range(NEW_TOKENS - 1):
-            pos = torch.full((1,), P + i, device="cuda")
-            logits = self.fwd(nxt, past_key_values=cache, use_cache=True, cache_position=pos, position_ids=pos.expand(B, 1)).logits
-            nxt = logits[:, -1].argmax(-1, keepdim=True).clone()
-            out.append(nxt)
-        return torch.cat(out, 1)
+        return super().generate(ids, NEW_TOKENS)
 
 
 def main() -> None:

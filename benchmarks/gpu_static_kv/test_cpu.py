@@ -152,7 +152,7 @@ def _triton_interpreter():
     if torch.cuda.is_available():
         pytest.skip("interpreter check is for machines without a GPU")
     pytest.importorskip("triton")
-    import components.runtime.triton_decode as triton_decode
+    from components.runtime import triton_decode
 
     return triton_decode
 

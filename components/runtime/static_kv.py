@@ -684,14 +684,14 @@ def bytes_of_weights(model: StaticKVGPT2) -> int:
 
 
 __all__ = [
+    "DecodeStep",
     "GPT2Shape",
     "LogitsStepGraphs",
+    "PrefillStep",
     "StaticKVGPT2",
     "StaticKVRunner",
-    "DecodeStep",
-    "PrefillStep",
+    "bytes_of_weights",
     "causal_bias",
     "new_cache",
     "randomize_biases",
-    "bytes_of_weights",
 ]
