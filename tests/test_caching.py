@@ -62,3 +62,28 @@ def test_cache_keys_are_stable_across_releases_unless_a_stage_version_changes():
     # this pins it. Change the literal only together with a deliberate re-run.
     key = content_key("export-onnx", "1", {"model": model("aa"), "params": ExportParams(), "out": Path("/p/onnx"), "n": [1, "x", None]})
     assert key == GOLDEN_EXPORT_KEY
+
+
+def test_a_sections_key_ignores_the_order_its_mappings_were_written_in():
+    from components.config import QualityGateParams, QualityLimits
+
+    fp32, int8 = QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=1.0), QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0)
+    written = content_key("gate-engine", "1", {"params": QualityGateParams(limits={"fp32": fp32, "int8": int8})})
+    reordered = content_key("gate-engine", "1", {"params": QualityGateParams(limits={"int8": int8, "fp32": fp32})})
+    assert written == reordered
+
+
+def test_a_section_holding_paths_and_dates_has_a_key_from_its_json_form(tmp_path):
+    """Any pydantic section hashes by its JSON form, so a field that JSON cannot hold as such
+    (a path, a date) still gives a key, and equal values give equal keys."""
+    from datetime import date
+
+    from pydantic import BaseModel
+
+    class Section(BaseModel):
+        where: Path
+        since: date
+
+    key = content_key("stage", "1", {"params": Section(where=tmp_path, since=date(2026, 12, 1))})
+    assert key == content_key("stage", "1", {"params": Section(where=str(tmp_path), since="2026-12-01")})
+    assert key != content_key("stage", "1", {"params": Section(where=tmp_path / "x", since=date(2026, 12, 1))})

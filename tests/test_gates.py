@@ -296,3 +296,24 @@ def test_the_serving_gate_measures_each_scenario_through_the_scheduler_against_i
     assert not result.passed  # the busy scenario's 1 µs budget
     assert GateReport((result,)).failures() == [f"serving: busy.request_p99_ms {measured['busy.request_p99_ms']:.4g} (limit <= 0.001)"]
     assert limit_text("single.ttft_p95_ms", result.thresholds) == "<= 10000"
+
+
+def test_a_p95_exactly_at_its_limit_passes_and_one_tick_above_fails(engine):
+    """Every limit in params.yaml is inclusive ("≤ 500 ms"). Exact binary ticks (2⁻⁷ s) make
+    each timed generation exactly 7.8125 ms."""
+    import itertools
+
+    def gate(limit_ms: float):
+        clock = itertools.count(0.0, 2.0**-7).__next__
+        return latency_gate(engine, [5, 17, 42], LatencyGateParams(new_tokens=1, warmup=0, runs=4, max_p95_ms=limit_ms), clock=clock)
+
+    at_limit = gate(7.8125)
+    assert at_limit.measured["p95_ms"] == 7.8125 and at_limit.passed
+    assert not gate(7.8124).passed
+
+
+def test_a_precision_without_quality_limits_is_a_config_error_naming_it():
+    from components.gates import quality_limits
+
+    with pytest.raises(ConfigError, match="gates.quality.limits has no entry for precision 'fp16'"):
+        quality_limits(QualityGateParams(limits={"fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=1.0)}), "fp16")
