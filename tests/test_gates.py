@@ -317,3 +317,16 @@ def test_a_precision_without_quality_limits_is_a_config_error_naming_it():
 
     with pytest.raises(ConfigError, match="gates.quality.limits has no entry for precision 'fp16'"):
         quality_limits(QualityGateParams(limits={"fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=1.0)}), "fp16")
+
+
+def test_a_failure_line_names_each_broken_limit_in_its_direction_and_not_a_value_at_its_limit():
+    failed = GateResult("quality", False, {"top1_agreement": 0.9, "ppl_increase_pct": 1.0, "tokens": 64.0}, {"min_top1_agreement": 0.99, "max_ppl_increase_pct": 1.0})
+    assert failed.failures() == ["quality: top1_agreement 0.9 (limit >= 0.99)"]  # ppl at its limit is within it
+
+
+def test_text_drops_are_percent_of_the_references_score_and_zero_against_a_reference_that_scored_nothing():
+    from components.gates import drop_pct
+
+    assert drop_pct(0.4, 0.5) == pytest.approx(20.0)
+    assert drop_pct(0.6, 0.5) == pytest.approx(-20.0)  # the engine wrote closer to the reference text
+    assert drop_pct(0.3, 0.0) == 0.0
