@@ -330,3 +330,27 @@ def test_text_drops_are_percent_of_the_references_score_and_zero_against_a_refer
     assert drop_pct(0.4, 0.5) == pytest.approx(20.0)
     assert drop_pct(0.6, 0.5) == pytest.approx(-20.0)  # the engine wrote closer to the reference text
     assert drop_pct(0.3, 0.0) == 0.0
+
+
+def test_the_text_gate_needs_both_drops_within_their_inclusive_limits_over_several_batches(engine, engine_dir, reference, data_version, params):
+    """More held-out prompts than the engine's batch (two chunks); an engine that drifts from
+    its model (repeats one token after two) fails when a drop is past its limit, whatever the other."""
+    from components.config import TextLimits
+
+    from .conftest import EosAfter
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    text = params.gates.text.model_copy(update={"sequences": 20})
+    windows = text_windows(tokenizer, data_version.texts("eval"), text)
+    assert len(windows) == 20 > engine.manifest.profiles["context"].batch.max
+    stuck = EosAfter(engine, after=2, token=engine.manifest.vocab_size - 1)
+
+    def gate(rouge_limit: float, bleu_limit: float):
+        limits = {"fp32": TextLimits(max_rouge_l_drop_pct=rouge_limit, max_bleu_drop_pct=bleu_limit)}
+        return text_gate(stuck, reference, tokenizer, windows, text.model_copy(update={"limits": limits}))
+
+    measured = gate(1000.0, 1000.0).measured
+    # BLEU: 0 for both (the tiny model writes few spaces, so no 4-grams): a drop of 0.
+    assert measured["sequences"] == 20 and measured["rouge_l_drop_pct"] > 0 and measured["bleu_drop_pct"] == 0
+    assert gate(measured["rouge_l_drop_pct"], 0.0).passed  # exactly at both limits: within
+    assert not gate(measured["rouge_l_drop_pct"] - 1, 1000.0).passed  # BLEU within its limit does not save it
