@@ -354,3 +354,14 @@ def test_the_text_gate_needs_both_drops_within_their_inclusive_limits_over_sever
     assert measured["sequences"] == 20 and measured["rouge_l_drop_pct"] > 0 and measured["bleu_drop_pct"] == 0
     assert gate(measured["rouge_l_drop_pct"], 0.0).passed  # exactly at both limits: within
     assert not gate(measured["rouge_l_drop_pct"] - 1, 1000.0).passed  # BLEU within its limit does not save it
+
+
+def test_an_eval_split_shorter_than_one_window_is_a_data_error_naming_both_lengths(engine_dir):
+    from components.errors import DataError
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    short = "a few words"
+    with pytest.raises(DataError, match=f"the eval split has {len(tokenizer.encode(short))} tokens, fewer than one window of 64"):
+        eval_windows(tokenizer, [short], QualityGateParams(sequences=2, sequence_length=64))
+    windows = eval_windows(tokenizer, [short * 40], QualityGateParams(sequences=2, sequence_length=8))
+    assert windows.shape == (2, 8) and windows.dtype == np.int64
