@@ -141,6 +141,7 @@ class ProfileParams(_Section):
 
 
 Precision = Literal["fp32", "fp16", "int8"]
+TORCH_CUDA_PRECISIONS = ("fp32", "fp16")  # what the torch-cuda backend builds (no int8 program)
 
 
 class KeepFloatParams(_Section):
@@ -360,7 +361,7 @@ class TriggerParams(_Section):
 class BuildTarget(_Section):
     """What one kind of machine builds: its backend and precisions (a row of the build matrix)."""
 
-    backend: Literal["onnxruntime", "tensorrt"] = "onnxruntime"
+    backend: Literal["onnxruntime", "tensorrt", "torch-cuda"] = "onnxruntime"
     precisions: list[Precision] = Field(min_length=1)
 
 
@@ -407,6 +408,17 @@ class Params(_Section):
         problems = shape_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _backends_build_their_precisions(self) -> Params:
+        """torch-cuda has no int8 form: say so before any work, not at the build stage."""
+        asked = [("build.backend", self.build.backend, "precision.build", self.precision.build)]
+        asked += [(f"pool.targets.{name}.backend", t.backend, f"pool.targets.{name}.precisions", t.precisions) for name, t in self.pool.targets.items()]
+        for backend_key, backend, precisions_key, precisions in asked:
+            other = [p for p in precisions if p not in TORCH_CUDA_PRECISIONS]
+            if backend == "torch-cuda" and other:
+                raise ValueError(f"{backend_key} torch-cuda builds {' and '.join(TORCH_CUDA_PRECISIONS)}; {precisions_key} has {', '.join(other)} (auto builds int8 on ONNX Runtime)")
         return self
 
     def digest(self) -> str:

@@ -1,5 +1,6 @@
 """params.yaml is read once into typed config; every mistake names the key that is wrong."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,16 @@ def test_a_serving_gate_scenario_past_the_profiles_is_named(tmp_path):
     scenario = "{name: long, clients: 2, requests: 1, prompt_tokens: 200, new_tokens: 100, max_ttft_p95_ms: 1, max_tpot_p95_ms: 1, max_request_p99_ms: 1}"
     with pytest.raises(ConfigError, match=r"gates.serving scenario long: prompt_tokens \(200\) exceeds build.profiles.prompt.max \(128\)"):
         load_params(write(tmp_path, f"gates:\n  serving:\n    scenarios: [{scenario}]\n"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("build:\n  backend: torch-cuda\n", "build.backend torch-cuda builds fp32 and fp16; precision.build has int8 (auto builds int8 on ONNX Runtime)"),
+        ("pool:\n  targets:\n    gpu: {backend: torch-cuda, precisions: [fp16, int8]}\n", "pool.targets.gpu.backend torch-cuda builds fp32 and fp16; pool.targets.gpu.precisions has int8"),
+    ],
+)
+def test_torch_cuda_asked_for_int8_is_a_config_error_before_any_work(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_params(write(tmp_path, text))
+    assert load_params(write(tmp_path, text.replace("int8", "fp32") if "pool" in text else text + "precision:\n  build: [fp16]\n"))

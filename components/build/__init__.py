@@ -5,16 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.build.packaging import STAGE_VERSION
-from components.config import BuildParams
+from components.config import TORCH_CUDA_PRECISIONS, BuildParams
 from components.data import DataVersion
 from components.engine_dir import EngineDir, Lineage
 from components.errors import BackendUnavailable
 from components.model_dir import TrainedModel
 from components.precision import PrecisionOnnx
 
-TORCH_PRECISIONS = ("fp32", "fp16")
-
-__all__ = ["STAGE_VERSION", "TORCH_PRECISIONS", "engine_from_onnx", "lineage_of", "resolve_backend", "timing_cache_of"]
+__all__ = ["STAGE_VERSION", "engine_from_onnx", "lineage_of", "resolve_backend", "timing_cache_of"]
 
 
 def lineage_of(model: TrainedModel, graph: PrecisionOnnx, data: DataVersion) -> Lineage:
@@ -42,7 +40,7 @@ def resolve_backend(requested: str, precision: str = "fp32") -> str:
     if requested == "auto":
         if tensorrt_ready()[0]:
             return "tensorrt"
-        return "torch-cuda" if torch_cuda_ready()[0] and precision in TORCH_PRECISIONS else "onnxruntime"
+        return "torch-cuda" if torch_cuda_ready()[0] and precision in TORCH_CUDA_PRECISIONS else "onnxruntime"
     for backend, ready in (("tensorrt", tensorrt_ready), ("torch-cuda", torch_cuda_ready)):
         if requested == backend and not (answer := ready())[0]:
             raise BackendUnavailable(f"build.backend is {backend}, but {answer[1]}")
