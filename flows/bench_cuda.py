@@ -15,7 +15,7 @@ Rows:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flows.bench import GPT2_SMALL, SHAPES, BenchRow, BenchSetup, benchmark_model_dir, random_prompts, rows_from_samples, time_interleaved
@@ -57,7 +57,7 @@ def cuda_rows(work: Path, setup: BenchSetup, shape: str = "gpt2-small", batches:
                 "hf-static-compile-fp16": _synced(lambda ids=ids: peer.generate(ids, setup.new_tokens)),
                 "kiln-torch-cuda-fp16": lambda batch=batch: engine.generate(prompts[:batch], sampling),
             }  # fmt: skip
-            samples = time_interleaved(candidates, BenchSetup(**{**setup.__dict__, "warmup": max(setup.warmup, 2)}))
+            samples = time_interleaved(candidates, replace(setup, warmup=max(setup.warmup, 2)))  # two: compile, then capture
             results.append(CudaRows(batch, rows_from_samples(samples, setup.new_tokens, baseline="hf-eager-fp16")))
     return results
 

@@ -205,8 +205,7 @@ class StaticKVGPT2(nn.Module):
         """
         B, P = input_ids.shape
         kc, vc = new_cache(self.shape, B, P, self.wte.dtype, self.wte.device)
-        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        pos = torch.where(attention_mask.bool(), pos, torch.full_like(pos, P))
+        pos = left_padded_positions(attention_mask, scratch=P)
         bias = causal_bias(pos, torch.arange(P, device=input_ids.device), self.wte.dtype)
         return self(input_ids, pos, bias, torch.arange(P, device=input_ids.device).expand(B, P), kc, vc)
 
@@ -219,6 +218,13 @@ def new_cache(
         raise ValueError(f"max_context {max_context} exceeds the model's {shape.n_positions} positions")
     size = (shape.n_layer, num_slots, shape.n_head, max_context + 1, shape.head_dim)
     return torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device)
+
+
+def left_padded_positions(attention_mask: Tensor, scratch: int) -> Tensor:
+    """Positions of left-padded rows: real tokens count from 0 (kiln's convention, the mask's
+    cumsum - 1); padding gets `scratch`, the cache column that is written and never read."""
+    mask = attention_mask.bool()
+    return torch.where(mask, (mask.long().cumsum(-1) - 1).clamp(min=0), scratch)
 
 
 def causal_bias(positions: Tensor, key_range: Tensor, dtype: torch.dtype) -> Tensor:
@@ -692,6 +698,7 @@ __all__ = [
     "StaticKVRunner",
     "bytes_of_weights",
     "causal_bias",
+    "left_padded_positions",
     "new_cache",
     "randomize_biases",
 ]

@@ -27,7 +27,7 @@ from components.engine_dir import EngineDir, EngineManifest
 from components.errors import BackendUnavailable, EngineError, ShapeOutOfProfile
 from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
-from components.runtime.static_kv import LogitsStepGraphs
+from components.runtime.static_kv import LogitsStepGraphs, left_padded_positions
 
 
 def device_for(manifest: EngineManifest) -> str:
@@ -99,9 +99,7 @@ class TorchCudaEngine(Engine):
         self._check_no_slots_held("score")
         runner, (B, P) = self.runner, input_ids.shape
         ids = torch.as_tensor(input_ids, device=self.device)
-        mask = torch.as_tensor(attention_mask, device=self.device).bool()
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        positions = torch.where(mask, positions, torch.full_like(positions, runner.T))  # pads write to scratch
+        positions = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=runner.T)
         with torch.no_grad():
             bias = causal_bias(positions, runner.key_range[:P], runner.dtype)
             picked = torch.arange(P, device=self.device).expand(B, P)
@@ -122,9 +120,8 @@ class TorchCudaEngine(Engine):
         # Rows 0..held-1 are the running sequences: their tokens go to the scratch column.
         ids = torch.zeros(held + B, P, dtype=torch.long, device=self.device)
         ids[held:] = torch.as_tensor(input_ids, device=self.device)
-        mask = torch.as_tensor(attention_mask, device=self.device).bool()
         positions = torch.full((held + B, P), runner.T, dtype=torch.long, device=self.device)
-        positions[held:] = torch.where(mask, (mask.long().cumsum(-1) - 1).clamp(min=0), runner.T)
+        positions[held:] = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=runner.T)
         with torch.no_grad():
             bias = causal_bias(positions, runner.key_range[:P], runner.dtype)
             last = torch.full((held + B, 1), P - 1, dtype=torch.long, device=self.device)
