@@ -269,6 +269,7 @@ def _dvc_repo(root: Path):
     from dvc.exceptions import NotDvcRepoError
     from dvc.repo import Repo
 
+    _undo_dvc_console_wrappers()
     # dvc logs "To track the changes with git, run: ..." at INFO; kiln leaves git to people.
     logging.getLogger("dvc").setLevel(logging.WARNING)
 
@@ -276,6 +277,23 @@ def _dvc_repo(root: Path):
         return Repo(str(root))
     except NotDvcRepoError as err:
         raise DataError(f"{root} is not a DVC repository (run `dvc init` there)") from err
+
+
+def _undo_dvc_console_wrappers() -> None:
+    """`import dvc` sets DVC up as a command-line program: its `colorama.init()` replaces this
+    process's sys.stdout and sys.stderr with ANSI-stripping wrappers, for good. kiln uses DVC
+    as a library, and those wrappers leak: whatever takes hold of sys.stderr afterwards keeps
+    one, e.g. absl's log handler (imported with the text gate's ROUGE metric), which closes
+    its stream on the next logging reconfiguration (uvicorn's, Prefect's) when that stream is
+    not sys.stderr itself, and closing the wrapper closes the real stderr under it. Put the
+    streams back right after the import (a no-op once they are back)."""
+    import sys
+
+    import colorama
+    from colorama.ansitowin32 import StreamWrapper
+
+    if isinstance(sys.stdout, StreamWrapper) or isinstance(sys.stderr, StreamWrapper):
+        colorama.deinit()
 
 
 def data_recipe(params: DataParams, root: Path) -> dict[str, str]:

@@ -138,3 +138,29 @@ def test_the_split_of_a_passage_is_the_same_in_every_process():
     assert len(outputs) == 1
     splits = eval(outputs.pop())  # noqa: S307  (our own subprocess's list literal)
     assert {"train", "eval", "calibration"} == set(splits)
+
+
+def test_the_data_stage_leaves_the_process_standard_streams_as_they_were(tmp_path):
+    """`import dvc` swaps sys.stdout and sys.stderr for colorama wrappers. Whatever held one
+    outlived the swap-back of its caller (pytest's capture, click's CliRunner,
+    contextlib.redirect_stderr): absl's log handler, imported with the text gate's ROUGE,
+    closed the wrapper, and the stream under it, at the next logging set-up (uvicorn's,
+    Prefect's), so every later write there failed (a CI run lost a test worker to it). In a
+    fresh interpreter, where DVC has not been imported yet."""
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from components.config import DataParams\n"
+        "from components.data import data_version_from_source\n"
+        "out, err = sys.stdout, sys.stderr\n"
+        "try:\n"
+        f"    data_version_from_source(DataParams(), Path({str(tmp_path)!r}))\n"
+        "except Exception as failure:\n"
+        "    print(type(failure).__name__)\n"
+        "print(sys.stdout is out, sys.stderr is err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["DataError", "True", "True"]  # DVC was reached: the folder is no DVC repository
