@@ -104,6 +104,17 @@ def write_corpus(directory: Path) -> None:
 LONGEST_FIRST = ("test_cli.py", "test_triggers.py", "test_pool.py", "test_serving.py", "test_ui.py", "test_flow.py", "test_faults.py", "test_promotion.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # absl (imported with the text gate's ROUGE metric) logs through a handler that keeps
+    # sys.stderr as it was at import: in a test, the capture's file of that moment. On a
+    # later logging set-up (uvicorn's, Prefect's) made while sys.stderr is another stream
+    # (click's CliRunner, capsys), absl closes the file it kept, and the worker's capture
+    # fails in every test after it. Bind it to the process's own stderr, which it never closes.
+    import absl.logging
+
+    absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order

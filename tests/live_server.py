@@ -170,10 +170,24 @@ def postgres_server() -> Iterator[str]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def prefect_api(method: str, url: str, **kwargs) -> httpx.Response:
+    """A request to a Prefect server's REST API that, like Prefect's own client, retries a
+    503: the server's answer to a busy SQLite database (a write from a worker, a flow run
+    or the event pipeline in the same instant), which a loaded CI machine meets."""
+    for attempt in range(10):
+        response = httpx.request(method, url, timeout=10, **kwargs)
+        if response.status_code != 503:
+            return response
+        time.sleep(0.5 * (attempt + 1))
+    return response
+
+
 def flow_runs(prefect: str, flow: str) -> list[dict]:
     """A flow's runs on a Prefect server (its REST API), oldest first."""
     body = {"flows": {"name": {"any_": [flow]}}, "sort": "EXPECTED_START_TIME_ASC"}
-    return httpx.post(f"{prefect}/api/flow_runs/filter", json=body, timeout=10).json()
+    answer = prefect_api("POST", f"{prefect}/api/flow_runs/filter", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
 
 
 def wait_for(condition, timeout_s: float, what: str, log: Path | None = None, every_s: float = 0.5, stacks_of: subprocess.Popen | None = None):

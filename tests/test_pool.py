@@ -18,7 +18,7 @@ import yaml
 from components.config import BuildTarget, PoolParams, PrecisionParams, RegistryParams, TriggerParams
 
 from .conftest import make_project, tiny_params
-from .live_server import KILN, answers, flow_runs, free_port, postgres_bin, postgres_server, wait_for
+from .live_server import KILN, answers, flow_runs, free_port, postgres_bin, postgres_server, prefect_api, wait_for
 
 MODEL = "kiln-tiny"
 
@@ -107,13 +107,13 @@ def _processes(directory: Path):
 
 @pytest.mark.slow
 def test_two_workers_on_a_pool_build_one_model_versions_engines_into_mlflow_on_postgresql(pool):
-    deployment = httpx.get(f"{pool.prefect}/api/deployments/name/rebuild/{MODEL}", timeout=10).json()
-    created = httpx.post(f"{pool.prefect}/api/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"reason": "a test"}}, timeout=10)
+    deployment = prefect_api("GET", f"{pool.prefect}/api/deployments/name/rebuild/{MODEL}").json()
+    created = prefect_api("POST", f"{pool.prefect}/api/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"reason": "a test"}})
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
 
     def rebuild_finished():
-        run = httpx.get(f"{pool.prefect}/api/flow_runs/{run_id}", timeout=10).json()
+        run = prefect_api("GET", f"{pool.prefect}/api/flow_runs/{run_id}").json()
         return run if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
     run = wait_for(rebuild_finished, 600, "the pool's rebuild", pool.logs[1], every_s=2)

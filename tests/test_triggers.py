@@ -22,7 +22,7 @@ from components.config import ConfigError, TriggerParams, load_params
 from components.errors import DataError
 
 from .conftest import DVC, make_project, tiny_params
-from .live_server import KILN, flow_runs, free_port, kiln_up, wait_for
+from .live_server import KILN, flow_runs, free_port, kiln_up, prefect_api, wait_for
 
 MODEL = "kiln-tiny"
 
@@ -221,7 +221,7 @@ def test_kiln_data_add_announces_the_new_version_and_the_triggered_rebuild_regis
     root, prefect = deployed.root, deployed.prefect
     for name in ("rebuild", "request-rebuild"):
         assert flow_runs(prefect, name) == []
-    answer = httpx.get(f"{prefect}/api/deployments/name/request-rebuild/{MODEL}", timeout=10)
+    answer = prefect_api("GET", f"{prefect}/api/deployments/name/request-rebuild/{MODEL}")
     assert answer.status_code == 200, f"kiln deploy printed its table before the server had the deployment: {answer.text}"
     request = answer.json()
     assert [(s["schedule"]["cron"], s["active"]) for s in request["schedules"]] == [("0 0 29 2 *", True)]
