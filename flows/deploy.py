@@ -63,22 +63,40 @@ def serve_deployments(root: Path, params_file: str, params: Params, settings: De
             open_for_triggers()
             threading.Event().wait()  # until Ctrl-C or SIGTERM (SystemExit from the CLI's handler)
         else:
-            asyncio.run(_serve_here(params, served, open_for_triggers))
+            asyncio.run(_serve_here(params, served, open_for_triggers, settings.prefect_api_url))
     finally:
         for _, listener in listeners:
             listener.stop()
 
 
-async def _serve_here(params: Params, served: list, registered: Callable[[], None]) -> None:
+async def _serve_here(params: Params, served: list, registered: Callable[[], None], api_url: str) -> None:
     """A Runner in this process. Registered from this loop (`aadd_deployment`) rather than
     through `add_deployment`, which hands each one to Prefect's global loop thread."""
     from prefect.runner import Runner
 
-    runner = Runner(name=f"kiln-deploy-{params.registry.model_name}")
-    for deployment in served:
-        await runner.aadd_deployment(deployment)
+    # Pausing on the way out is ours (`_pause`), not the Runner's: it would retry against a
+    # server that is already gone (kiln up stopped first) for a minute, then fail.
+    runner = Runner(name=f"kiln-deploy-{params.registry.model_name}", pause_on_shutdown=False)
+    ids = [await runner.aadd_deployment(deployment) for deployment in served]
     registered()
-    await runner.start()
+    try:
+        await runner.start()
+    finally:
+        await _pause(ids, api_url)
+
+
+async def _pause(deployment_ids: list, api_url: str) -> None:
+    """Pause the deployments this process served, so that their schedules stop piling up
+    runs that nobody here will execute; with the server gone there is nothing to pause."""
+    if not answers(f"{api_url.rstrip('/')}/health"):
+        render.note(f"the Prefect server at {api_url} is gone: the deployments stay as they were")
+        return
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        for deployment_id in deployment_ids:
+            await client.pause_deployment(deployment_id)
+    render.console.print(f"paused {len(deployment_ids)} deployments; kiln deploy stopped")
 
 
 def run_worker(root: Path, params: Params, target: str, prefect_api_url: str) -> None:

@@ -214,6 +214,9 @@ def deployed(tmp_path_factory):
         yield up
         deploy.send_signal(signal.SIGTERM)
         assert deploy.wait(timeout=60) in (0, 143), log.read_text()[-3000:]
+        # stopped, it pauses what it served: no schedule piles up runs nobody will execute
+        served = prefect_api("GET", f"{up.prefect}/api/deployments/name/request-rebuild/{MODEL}").json()
+        assert served["paused"] is True and "paused 3 deployments" in log.read_text()
 
 
 @pytest.mark.slow
