@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from uuid import UUID
 
 from components.config import Params
 from components.errors import KilnError
@@ -85,7 +86,7 @@ async def _serve_here(params: Params, served: list, registered: Callable[[], Non
         await _pause(ids, api_url)
 
 
-async def _pause(deployment_ids: list, api_url: str) -> None:
+async def _pause(deployment_ids: list[UUID], api_url: str) -> None:
     """Pause the deployments this process served, so that their schedules stop piling up
     runs that nobody here will execute; with the server gone there is nothing to pause."""
     if not answers(f"{api_url.rstrip('/')}/health"):
