@@ -17,7 +17,7 @@ from components.model_dir import TrainedModel, load_model
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "1"
+STAGE_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -143,20 +143,30 @@ def _export(model, layout: KVLayout, opset: int, path: Path) -> None:
     )
     try:
         with torch.no_grad(), _quiet_exporter():
-            torch.onnx.export(
+            program = torch.onnx.export(
                 _kv_wrapper(model),
                 tuple(example),  # flat; torch groups the KV tensors as forward's *past
-                str(path),
                 input_names=layout.input_names,
                 output_names=layout.output_names,
                 dynamic_shapes=shapes,
                 opset_version=opset,
-                external_data=False,  # one file: its sha256 is the engine's identity
                 dynamo=True,
                 verbose=False,
             )
     except Exception as err:  # torch.export raises a zoo of types; all mean "export failed"
         raise ExportError(f"torch.onnx.export of the model failed: {type(err).__name__}: {err}") from err
+    _drop_stack_traces(program.model)
+    program.save(str(path), external_data=False)  # one file: its sha256 is the engine's identity
+
+
+def _drop_stack_traces(model) -> None:
+    """The exporter keeps each node's Python stack trace (absolute file paths, line numbers)
+    in its metadata: the same model exported from another checkout or virtualenv, or after
+    an edit of this file, was another file with another sha256, so another engine to the
+    registry. The node's namespace and class hierarchy, which name no file, stay."""
+    for graph in (model.graph, *model.functions.values()):
+        for node in graph.all_nodes():
+            node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
 @contextmanager

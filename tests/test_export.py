@@ -27,6 +27,20 @@ def test_batch_sequence_and_past_are_dynamic(exported):
     assert key[1] == exported.layout.num_heads and key[3] == exported.layout.head_dim
 
 
+def test_the_onnx_file_names_no_folder_of_this_machine(exported):
+    """The file's sha256 is the engine's identity in the registry: the same model exported
+    from another checkout or virtualenv must be the same bytes. The exporter wrote each
+    node's Python stack trace (absolute paths) into the file."""
+    import sys
+    from pathlib import Path
+
+    import components
+
+    data = exported.path.read_bytes()
+    for folder in (Path(components.__file__).resolve().parents[1], Path(sys.prefix), Path(onnx.__file__).resolve().parents[1]):
+        assert str(folder).encode() not in data, f"{exported.path.name} names {folder}"
+
+
 def test_opset_is_at_least_17(exported):
     model = onnx.load(str(exported.path))
     assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
