@@ -25,7 +25,7 @@ from components.precision import PrecisionOnnx
 
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "1"
+STAGE_VERSION = "2"  # 2: torch-cuda programs without stack traces
 
 
 @dataclass(frozen=True)

@@ -71,12 +71,21 @@ def torch_engine_from_model(
     def fill(staging: Path) -> None:
         hf = _hf_model(model_dir)
         program, parity = _export_checked(hf, precision, profiles, device)
+        _drop_stack_traces(program)
         torch.export.save(program, staging / ENGINE_FILE)
         for name in TOKENIZER_FILES:
             shutil.copyfile(model_dir / name, staging / name)
         write_manifest(staging, _manifest(staging, build, hf.config, precision, model_dir, lineage, profiles, parity))
 
     return load_engine_dir(stage_output(target, MANIFEST, fill))
+
+
+def _drop_stack_traces(program) -> None:
+    """torch.export keeps each node's stack trace (absolute file paths, line numbers) in the
+    saved program: the same model built from another checkout or virtualenv was another
+    file, so another engine to the registry. The module stack, which names no file, stays."""
+    for node in program.graph.nodes:
+        node.meta.pop("stack_trace", None)
 
 
 def _hf_model(model_dir: Path):
