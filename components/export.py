@@ -8,11 +8,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from components.config import ExportParams, section_digest
 from components.errors import ExportError
 from components.files import file_sha256, stage_output
 from components.model_dir import TrainedModel, load_model
+
+if TYPE_CHECKING:
+    import onnx_ir
 
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
@@ -159,7 +163,7 @@ def _export(model, layout: KVLayout, opset: int, path: Path) -> None:
     program.save(str(path), external_data=False)  # one file: its sha256 is the engine's identity
 
 
-def _drop_stack_traces(model) -> None:
+def _drop_stack_traces(model: onnx_ir.Model) -> None:
     """The exporter keeps each node's Python stack trace (absolute file paths, line numbers)
     in its metadata: the same model exported from another checkout or virtualenv, or after
     an edit of this file, was another file with another sha256, so another engine to the

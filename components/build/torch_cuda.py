@@ -18,12 +18,16 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from components.build.packaging import BackendBuild, engine_folder, eos_id, profiles_from_params
 from components.config import ProfileParams, section_digest
 from components.engine_dir import MANIFEST, TOKENIZER_FILES, EngineDir, EngineManifest, Lineage, ParityRecord, load_engine_dir, write_manifest
 from components.errors import BuildError
 from components.files import file_sha256, stage_output
+
+if TYPE_CHECKING:
+    import torch
 
 BACKEND = "torch-cuda"
 ENGINE_FILE = "model.pt2"
@@ -80,7 +84,7 @@ def torch_engine_from_model(
     return load_engine_dir(stage_output(target, MANIFEST, fill))
 
 
-def _drop_stack_traces(program) -> None:
+def _drop_stack_traces(program: torch.export.ExportedProgram) -> None:
     """torch.export keeps each node's stack trace (absolute file paths, line numbers) in the
     saved program: the same model built from another checkout or virtualenv was another
     file, so another engine to the registry. The module stack, which names no file, stays."""
