@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import shutil
+import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -287,8 +288,6 @@ def _undo_dvc_console_wrappers() -> None:
     its stream on the next logging reconfiguration (uvicorn's, Prefect's) when that stream is
     not sys.stderr itself, and closing the wrapper closes the real stderr under it. Put the
     streams back right after the import (a no-op once they are back)."""
-    import sys
-
     import colorama
     from colorama.ansitowin32 import StreamWrapper
 

@@ -27,9 +27,14 @@ class DeploySettings:
     mlflow_url: str  # an `mlflow server` on the project's store: only it delivers webhooks
 
 
+def _prefect_answers(api_url: str) -> bool:
+    """Whether the Prefect server behind an API URL (`.../api`) answers its health check."""
+    return answers(f"{api_url.rstrip('/')}/health")
+
+
 def check_servers(settings: DeploySettings, params: Params) -> None:
     """Both servers answer, before anything is registered or served."""
-    if not answers(f"{settings.prefect_api_url.rstrip('/')}/health"):
+    if not _prefect_answers(settings.prefect_api_url):
         raise KilnError(f"no Prefect server answers at {settings.prefect_api_url}: start one with `kiln up` (or point PREFECT_API_URL at yours)")
     if params.triggers.on_promotion and not answers(f"{settings.mlflow_url.rstrip('/')}/health"):
         raise KilnError(
@@ -89,7 +94,7 @@ async def _serve_here(params: Params, served: list, registered: Callable[[], Non
 async def _pause(deployment_ids: list[UUID], api_url: str) -> None:
     """Pause the deployments this process served, so that their schedules stop piling up
     runs that nobody here will execute; with the server gone there is nothing to pause."""
-    if not answers(f"{api_url.rstrip('/')}/health"):
+    if not _prefect_answers(api_url):
         render.note(f"the Prefect server at {api_url} is gone: the deployments stay as they were")
         return
     from prefect.client.orchestration import get_client
@@ -105,7 +110,7 @@ def run_worker(root: Path, params: Params, target: str, prefect_api_url: str) ->
     runs and the control queue's rebuilds and verifications, until Ctrl-C or SIGTERM."""
     if target not in params.pool.targets:
         raise KilnError(f"no build target {target!r} in pool.targets (params.yaml has {', '.join(params.pool.targets)})")
-    if not answers(f"{prefect_api_url.rstrip('/')}/health"):
+    if not _prefect_answers(prefect_api_url):
         raise KilnError(f"no Prefect server answers at {prefect_api_url}: start it first (kiln up, or prefect server start)")
     from components.config import CONTROL_QUEUE
 
