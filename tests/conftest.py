@@ -120,6 +120,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 
+def assert_names_no_folder_of_this_machine(path: Path) -> None:
+    """An engine file's sha256 is its registry identity: it must not hold this checkout's,
+    this virtualenv's or its packages' folders (exporters write stack traces with them)."""
+    import sysconfig
+
+    import components
+
+    data = path.read_bytes()
+    for folder in (Path(components.__file__).resolve().parents[1], Path(sys.prefix), Path(sysconfig.get_paths()["purelib"]).resolve()):
+        assert str(folder).encode() not in data, f"{path.name} names {folder}"
+
+
 def make_project(root: Path) -> Path:
     """A project folder: corpus, a DVC repo (no git) with a local remote."""
     root.mkdir(parents=True, exist_ok=True)

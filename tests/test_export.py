@@ -7,6 +7,8 @@ from components.config import ExportParams
 from components.errors import ExportError
 from components.export import onnx_from_model
 
+from .conftest import assert_names_no_folder_of_this_machine
+
 
 def test_the_graph_takes_and_returns_the_kv_cache(exported):
     graph = onnx.load(str(exported.path)).graph
@@ -31,14 +33,7 @@ def test_the_onnx_file_names_no_folder_of_this_machine(exported):
     """The file's sha256 is the engine's identity in the registry: the same model exported
     from another checkout or virtualenv must be the same bytes. The exporter wrote each
     node's Python stack trace (absolute paths) into the file."""
-    import sys
-    from pathlib import Path
-
-    import components
-
-    data = exported.path.read_bytes()
-    for folder in (Path(components.__file__).resolve().parents[1], Path(sys.prefix), Path(onnx.__file__).resolve().parents[1]):
-        assert str(folder).encode() not in data, f"{exported.path.name} names {folder}"
+    assert_names_no_folder_of_this_machine(exported.path)
 
 
 def test_opset_is_at_least_17(exported):

@@ -16,6 +16,8 @@ from components.errors import BackendUnavailable, BuildError, EngineError
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 
+from .conftest import assert_names_no_folder_of_this_machine
+
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason=f"torch {torch.__version__} sees no CUDA GPU")
 
@@ -45,16 +47,7 @@ def test_the_program_file_names_no_folder_of_this_machine(cpu_engine_dir):
     """Like the ONNX file: the engine's sha256 is its registry identity, so the same model
     built from another checkout or virtualenv must be the same bytes (torch.export keeps
     each node's stack trace, with absolute paths, unless they are dropped)."""
-    import sys
-    from pathlib import Path
-
-    import torch
-
-    import components
-
-    data = cpu_engine_dir.engine_file.read_bytes()
-    for folder in (Path(components.__file__).resolve().parents[1], Path(sys.prefix), Path(torch.__file__).resolve().parents[1]):
-        assert str(folder).encode() not in data, f"{cpu_engine_dir.engine_file.name} names {folder}"
+    assert_names_no_folder_of_this_machine(cpu_engine_dir.engine_file)
 
 
 def test_the_engine_directory_holds_the_program_its_versions_and_its_measured_parity(cpu_engine_dir, params):
