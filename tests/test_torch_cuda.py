@@ -181,6 +181,31 @@ def test_on_the_gpu_greedy_tokens_match_the_pytorch_model_for_32_steps(tmp_path,
     assert sum(a == b for a, b in zip(stepwise, ours, strict=True)) >= len(prompts) - (precision == "fp16")
 
 
+@needs_cuda
+def test_on_the_gpu_one_sequence_runs_the_triton_step_and_keeps_the_pytorch_models_tokens(tmp_path):
+    """A single sequence takes the hand-written Triton step (with programmatic dependent
+    launch on sm_90 and later: kernels that start before the previous one ends, reading
+    only weights and older cache rows until it has), which must not change a token."""
+    from components.build.torch_cuda import torch_engine_from_model
+    from components.config import ProfileParams
+    from components.engine_dir import Lineage
+    from components.model_dir import load_model
+    from components.runtime import open_engine
+    from flows.bench import TINY, benchmark_model_dir
+
+    model_dir = benchmark_model_dir(tmp_path / "model", TINY)
+    lineage = Lineage(source_model_path=str(model_dir), source_model_sha256="random", onnx_sha256="-", data_md5="-")
+    engine_dir = torch_engine_from_model(model_dir, "fp32", lineage, ProfileParams(), tmp_path / "engines", device="cuda")
+    reference = load_model(model_dir)
+    with open_engine(engine_dir) as engine, torch.no_grad():
+        step = engine.runner.fast_step
+        assert step is not None and step.pdl == (torch.cuda.get_device_capability()[0] >= 9)
+        for prompt in ([10, 20, 30], [7], list(range(40, 90))):  # one row per call: the Triton step
+            ours = engine.generate([prompt], Sampling(max_new_tokens=64, stop_at_eos=False))[0]
+            theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)[0, len(prompt) :].tolist()
+            assert ours == theirs
+
+
 def greedy_step_by_step(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy tokens through prefill and decode (rows in slots 0..n-1), as kiln serve's scheduler drives them."""
     from components.runtime.engine import left_pad

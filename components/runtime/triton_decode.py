@@ -11,6 +11,13 @@ Per layer: [LN1 + QKV + bias + k/v cache write] [attention over the slot's cache
 [LN_f + lm_head + per-block argmax] and [final argmax + token/position update]. The
 residual stream stays fp32; weights and the KV cache keep the model dtype.
 
+On sm_90 and later the kernels are chained by programmatic dependent launch: each may
+start while the one before finishes, loads what no recent kernel writes (its weights,
+earlier steps' cache rows), then waits for the previous kernel's output. At batch 1 a
+step is latency, not bandwidth: 63 kernels of a few microseconds, so overlapping each
+kernel's start and weight loads with the previous one's tail took a 32+128-token
+generation from 36.5 to 23.8 ms on the H200 (benchmarks/gpu_static_kv/REPORT.md §7).
+
 Semantics equal `DecodeStep(StaticKVGPT2)`: same cache layout and scratch column, same
 active-row rule, same attended length (key_range), greedy argmax with the lowest index
 winning ties. Rows re-read the weights (from L2) per batch row, so this is for small B;
@@ -31,8 +38,19 @@ from components.runtime.static_kv import GPT2Shape
 
 
 @triton.jit
-def _embed_kernel(tok_ptr, pos_ptr, wte_ptr, wpe_ptr, x_ptr, E: tl.constexpr, E_POW2: tl.constexpr, NPOS: tl.constexpr):
+def _after_previous_kernel(USE_PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+): this kernel may start while the previous one
+    finishes; wait until that one's writes are visible, then let the next one start. Every
+    kernel here reads what the one before wrote, so nothing but weights is read before it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _embed_kernel(tok_ptr, pos_ptr, wte_ptr, wpe_ptr, x_ptr, E: tl.constexpr, E_POW2: tl.constexpr, NPOS: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
+    _after_previous_kernel(USE_PDL)
     tok = tl.load(tok_ptr + b)
     pos = tl.minimum(tl.load(pos_ptr + b), NPOS - 1)  # scratch positions clamp, as in the model
     offs = tl.arange(0, E_POW2)
@@ -52,36 +70,55 @@ def _ln_gemv_kernel(
     N, eps,
     K: tl.constexpr, K_POW2: tl.constexpr, E: tl.constexpr, D: tl.constexpr,
     HAS_LN: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, MODE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[b, n] = epilogue(sum_k LN(x[b])[k] * w[n, k]), w row-major (N, K).
 
     Grid (cdiv(N, BLOCK_N), B). Each CTA recomputes the LayerNorm statistics of its row
-    (K floats, L2-resident) so the norm needs no kernel of its own.
+    (K floats, L2-resident) so the norm needs no kernel of its own. The first weight tile
+    is loaded before waiting for the previous kernel: no kernel writes weights, so under
+    programmatic dependent launch that load overlaps the previous kernel's tail.
     """
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     x_row = x_ptr + b * K
-    if HAS_LN:
-        offs = tl.arange(0, K_POW2)
-        mk = offs < K
-        xr = tl.load(x_row + offs, mask=mk, other=0.0)
-        mean = tl.sum(xr, axis=0) / K
-        diff = tl.where(mk, xr - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xk = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+    first_k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + offs_n[:, None] * K + first_k[None, :], mask=mask_n[:, None] & (first_k < K)[None, :], other=0.0)
+    _after_previous_kernel(USE_PDL)
+    if BLOCK_K >= K:
+        # One tile holds the whole row: x is read once, for the LayerNorm and the product.
+        mask_k = first_k < K
+        xk = tl.load(x_row + first_k, mask=mask_k, other=0.0)
         if HAS_LN:
-            g = tl.load(lnw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            be = tl.load(lnb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            xk = tl.where(mask_k, (xk - mean) * rstd * g + be, 0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+            mean = tl.sum(xk, axis=0) / K
+            diff = tl.where(mask_k, xk - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / K + eps)
+            g = tl.load(lnw_ptr + first_k, mask=mask_k, other=0.0).to(tl.float32)
+            be = tl.load(lnb_ptr + first_k, mask=mask_k, other=0.0).to(tl.float32)
+            xk = tl.where(mask_k, diff * rstd * g + be, 0.0)
+        acc = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    else:
+        if HAS_LN:
+            offs = tl.arange(0, K_POW2)
+            mk = offs < K
+            xr = tl.load(x_row + offs, mask=mk, other=0.0)
+            mean = tl.sum(xr, axis=0) / K
+            diff = tl.where(mk, xr - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / K + eps)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xk = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+            if HAS_LN:
+                g = tl.load(lnw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                be = tl.load(lnb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                xk = tl.where(mask_k, (xk - mean) * rstd * g + be, 0.0)
+            if k0 > 0:
+                w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if GELU:  # tanh GELU: 0.5 * (1 + tanh(u)) == sigmoid(2u)
@@ -109,7 +146,7 @@ def _ln_gemv_kernel(
 @triton.jit
 def _decode_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, scale, stride_s, stride_h, stride_t,
-    n_keys: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    n_keys: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr, EARLY_KV: tl.constexpr,
 ):
     """One (row, head) per CTA: online softmax over cache positions t < n_keys, t <= pos.
 
@@ -120,20 +157,37 @@ def _decode_attn_kernel(
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
-    pos = tl.load(pos_ptr + b)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BLOCK_T)
-    q = tl.load(q_ptr + b * H * D + h * D + offs_d) * scale
     base = b * stride_s + h * stride_h
+    kv_off = base + offs_t[:, None] * stride_t + offs_d[None, :]
+    if EARLY_KV:
+        # Keys and values before the row's position were written by earlier steps, which
+        # have all finished once this kernel may start (every kernel waits for the one
+        # before it), so under PDL they load during the QKV kernel's tail; only the row at
+        # `pos`, which that kernel writes, is read after the wait. So is `pos` itself: the
+        # finish kernel of the previous step wrote it.
+        pos = tl.load(pos_ptr + b)
+        early = (offs_t < pos) & (offs_t < n_keys)
+        k = tl.load(kc_ptr + kv_off, mask=early[:, None], other=0.0).to(tl.float32)
+        v = tl.load(vc_ptr + kv_off, mask=early[:, None], other=0.0).to(tl.float32)
+        _after_previous_kernel(USE_PDL)
+        at_pos = (offs_t == pos)[:, None]
+        k = tl.where(at_pos, tl.load(kc_ptr + base + pos * stride_t + offs_d).to(tl.float32)[None, :], k)
+        v = tl.where(at_pos, tl.load(vc_ptr + base + pos * stride_t + offs_d).to(tl.float32)[None, :], v)
+    else:
+        _after_previous_kernel(USE_PDL)
+        pos = tl.load(pos_ptr + b)
+        mt = (offs_t <= pos) & (offs_t < n_keys)
+        k = tl.load(kc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+        v = tl.load(vc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + b * H * D + h * D + offs_d) * scale
     # First block outside the loop: position 0 is always visible, so m and l start finite.
     mt = (offs_t <= pos) & (offs_t < n_keys)
-    kv_off = base + offs_t[:, None] * stride_t + offs_d[None, :]
-    k = tl.load(kc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
     s = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
     m_i = tl.max(s, axis=0)
     p = tl.exp(s - m_i)
     l_i = tl.sum(p, axis=0)
-    v = tl.load(vc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
     acc = tl.sum(p[:, None] * v, axis=0)
     for t0 in range(BLOCK_T, n_keys, BLOCK_T):
         t = t0 + offs_t
@@ -152,9 +206,10 @@ def _decode_attn_kernel(
 
 
 @triton.jit
-def _finish_kernel(pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2: tl.constexpr):
+def _finish_kernel(pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2: tl.constexpr, USE_PDL: tl.constexpr):
     """Argmax over the lm_head blocks, then advance the row's decode state."""
     b = tl.program_id(0)
+    _after_previous_kernel(USE_PDL)
     offs = tl.arange(0, NB_POW2)
     v = tl.load(pval_ptr + b * NB + offs, mask=offs < NB, other=float("-inf"))
     best = tl.argmax(v, axis=0)  # lowest block wins a tie, and blocks hold ascending ids
@@ -164,6 +219,10 @@ def _finish_kernel(pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, M
     tl.store(tok_ptr + b, tl.where(act, nxt, tl.load(tok_ptr + b)))
     pos = tl.load(pos_ptr + b)
     tl.store(pos_ptr + b, tl.minimum(pos + act.to(tl.int64), MAX_POS))
+
+
+def _has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _pow2(n: int) -> int:
@@ -178,19 +237,26 @@ class TritonDecodeStep:
     CTA streams contiguous rows.
     """
 
-    # (BLOCK_N, BLOCK_K) per GEMV: the best of six tilings measured on the H200 (run 3,
-    # "narrow_attn1_w8": 38.4 ms per 32+128-token generation at batch 1; the first
-    # tiling, (16,256),(4,256),(16,256),(4,512),(32,256) with 64-key attention blocks
-    # and 4 warps, gave 41.5). Narrow tiles = more CTAs in flight per GEMV.
-    QKV, OPROJ, FC, MPROJ, HEAD = (8, 256), (2, 256), (8, 256), (2, 1024), (16, 256)
-    GEMV_WARPS = 4
-    # One pass over the attended keys (BLOCK_T is capped by the attended length); 8 warps
-    # because a 256x64 fp32 K or V tile spills registers with 4.
-    ATTN_BLOCK_T, ATTN_WARPS = 256, 8
+    # (BLOCK_N, BLOCK_K, warps) per GEMV; BLOCK_K None: the whole row (up to MAX_BLOCK_K),
+    # so under PDL a CTA's whole weight slice loads before it waits for the previous kernel.
+    # Measured on the H200 (benchmarks/gpu_static_kv/pdl_ab.py, results/run6): 32+128
+    # tokens at batch 1 take 24.1 ms with these and PDL, 36.5 ms with the tiles of runs
+    # 1-5 ((8,256) (2,256) (8,256) (2,1024) (16,256), 4 warps) and no PDL; narrow tiles
+    # with few warps (many small CTAs in flight) won every comparison.
+    QKV, OPROJ, FC, MPROJ, HEAD = (4, None, 1), (2, None, 2), (4, None, 1), (2, None, 2), (16, None, 2)
+    GEMV_WARPS = 2  # for a tile given as (BLOCK_N, BLOCK_K)
+    MAX_BLOCK_K = 4096
+    # One pass over the attended keys (BLOCK_T is capped by the attended length). 4 warps
+    # measured faster than 8 once the keys before the row's position load before the wait.
+    ATTN_BLOCK_T, ATTN_WARPS = 256, 4
+    ATTN_EARLY_KV = True
 
-    def __init__(self, params: Mapping[str, Tensor], shape: GPT2Shape, max_context: int, linear_layout: bool = False) -> None:
+    def __init__(self, params: Mapping[str, Tensor], shape: GPT2Shape, max_context: int, linear_layout: bool = False, pdl: bool | None = None) -> None:
         self.s = shape
         self.max_context = max_context
+        # Programmatic dependent launch where the GPU has it (Hopper, sm_90, and later):
+        # each of the 63 kernels of a step then starts during the tail of the one before.
+        self.pdl = pdl if pdl is not None else _has_pdl(params["wte"].device)
 
         def rows(name: str) -> Tensor:
             w = params[name]
@@ -202,7 +268,8 @@ class TritonDecodeStep:
         self.scale = 1.0 / math.sqrt(shape.head_dim)
 
     def _gemv(self, x, w, blocks, N, K, out, *, ln=None, bias=None, res=None, gelu=False, mode=0, qkv=None, argmax=None) -> None:
-        BN, BK = blocks
+        BN, BK, warps = (*blocks, self.GEMV_WARPS)[:3]
+        BK = BK or min(_pow2(K), self.MAX_BLOCK_K)
         B = x.shape[0]
         kc, vc, pos = qkv if qkv is not None else (out, out, out)
         pval, pidx = argmax if argmax is not None else (out, out)
@@ -215,7 +282,7 @@ class TritonDecodeStep:
             N, 1e-5 if ln is None else self.s.eps,
             K=K, K_POW2=_pow2(K), E=self.s.n_embd, D=self.s.head_dim,
             HAS_LN=ln is not None, HAS_BIAS=bias is not None, GELU=gelu, HAS_RES=res is not None, MODE=mode,
-            BLOCK_N=BN, BLOCK_K=BK, num_warps=self.GEMV_WARPS,
+            BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, USE_PDL=self.pdl, launch_pdl=self.pdl,
         )
 
     def __call__(self, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
@@ -230,7 +297,7 @@ class TritonDecodeStep:
         pval = torch.empty(B, nb, device=dev, dtype=torch.float32)
         pidx = torch.empty(B, nb, device=dev, dtype=torch.int64)
         nxt = torch.empty(B, device=dev, dtype=torch.int64)
-        _embed_kernel[(B,)](tokens, positions, p["wte"], p["wpe"], x, E=E, E_POW2=_pow2(E), NPOS=s.n_positions)
+        _embed_kernel[(B,)](tokens, positions, p["wte"], p["wpe"], x, E=E, E_POW2=_pow2(E), NPOS=s.n_positions, USE_PDL=self.pdl, launch_pdl=self.pdl)
         n_keys = key_range.shape[0]
         for layer in range(s.n_layer):
             kc, vc = k_cache[layer], v_cache[layer]
@@ -239,10 +306,11 @@ class TritonDecodeStep:
             _decode_attn_kernel[(B, H)](
                 q, kc, vc, positions, o, self.scale, st[0], st[1], st[2],
                 n_keys=n_keys, H=H, D=D, BLOCK_T=min(self.ATTN_BLOCK_T, _pow2(n_keys)), num_warps=self.ATTN_WARPS,
+                USE_PDL=self.pdl, EARLY_KV=self.ATTN_EARLY_KV, launch_pdl=self.pdl,
             )
             self._gemv(o, self.w_o[layer], self.OPROJ, E, E, x, bias=p["b_o"][layer], res=x)
             self._gemv(x, self.w_fc[layer], self.FC, I, E, hid, ln=(p["ln2_w"][layer], p["ln2_b"][layer]), bias=p["b_fc"][layer], gelu=True)
             self._gemv(hid, self.w_mp[layer], self.MPROJ, E, I, x, bias=p["b_mp"][layer], res=x)
         self._gemv(x, self.head, self.HEAD, V, E, x, ln=(p["lnf_w"], p["lnf_b"]), mode=2, argmax=(pval, pidx))
-        _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb))
+        _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb), USE_PDL=self.pdl, launch_pdl=self.pdl)
         return nxt
