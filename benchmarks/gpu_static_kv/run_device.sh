@@ -1,5 +1,5 @@
 #!/bin/bash
-# On the device machine, from the repo root: bash benchmarks/gpu_static_kv/run_device.sh [kilnbench] [kiln] [steps] [test] [bench]
+# On the device machine, from the repo root: bash benchmarks/gpu_static_kv/run_device.sh [kilnbench] [kiln] [steps] [pdl] [test] [bench]
 # Everything it writes lands in $OUT (at most 8 files come back).
 set -o pipefail
 cd "$(dirname "$0")"
@@ -25,6 +25,7 @@ for step in "$@"; do
     kilnbench) (cd "$ROOT" && timeout "${KILNBENCH_TIMEOUT:-400}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 -c 'from flows.cli import main; main()' bench --device cuda --runs "${RUNS:-5}" --work /tmp/kiln-bench --json "$OUT/kiln_bench.json" 2>&1 | tee "$OUT/kiln_bench.log") ;;
     kiln) timeout "${KILN_TIMEOUT:-500}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 kiln_engine.py --out "$OUT" --kit "$ROOT/.devicekit" --bench-work /tmp/kiln-bench ${KILN_PHASES:+--phases $KILN_PHASES} 2>&1 | tee "$OUT/kiln.log" ;;
     steps) (cd "$ROOT" && timeout "${STEPS_TIMEOUT:-300}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 benchmarks/gpu_static_kv/serving_steps.py --out "$OUT" 2>&1 | tee "$OUT/steps.log") ;;
+    pdl) (cd "$ROOT" && timeout "${PDL_TIMEOUT:-400}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 benchmarks/gpu_static_kv/pdl_ab.py --out "$OUT" 2>&1 | tee "$OUT/pdl.log") ;;
     test) (cd "$ROOT" && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_torch_cuda.py 2>&1 | tee "$OUT/test.log") ;;
     *) echo "unknown step $step" ;;
   esac
