@@ -40,8 +40,10 @@ from components.runtime.static_kv import GPT2Shape
 @triton.jit
 def _after_previous_kernel(USE_PDL: tl.constexpr):
     """Programmatic dependent launch (sm_90+): this kernel may start while the previous one
-    finishes; wait until that one's writes are visible, then let the next one start. Every
-    kernel here reads what the one before wrote, so nothing but weights is read before it."""
+    finishes; wait until that one's writes are visible, then let the next one start. The
+    next one can thus start only once this one's predecessors have all finished: what a
+    kernel reads before this call must come from two or more kernels back (weights, older
+    cache rows, the step's position), never from the kernel just before."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -162,11 +164,10 @@ def _decode_attn_kernel(
     base = b * stride_s + h * stride_h
     kv_off = base + offs_t[:, None] * stride_t + offs_d[None, :]
     if EARLY_KV:
-        # Keys and values before the row's position were written by earlier steps, which
-        # have all finished once this kernel may start (every kernel waits for the one
-        # before it), so under PDL they load during the QKV kernel's tail; only the row at
-        # `pos`, which that kernel writes, is read after the wait. So is `pos` itself: the
-        # finish kernel of the previous step wrote it.
+        # Keys and values before the row's position come from earlier steps, finished once
+        # this kernel may start, so under PDL they load during the QKV kernel's tail; only
+        # the row at `pos`, which that kernel writes, is read after the wait. `pos` itself
+        # is read before: the previous step's finish kernel wrote it.
         pos = tl.load(pos_ptr + b)
         early = (offs_t < pos) & (offs_t < n_keys)
         k = tl.load(kc_ptr + kv_off, mask=early[:, None], other=0.0).to(tl.float32)
