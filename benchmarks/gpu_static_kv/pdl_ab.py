@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from components.runtime import load_engine, triton_decode
+from components.runtime import load_engine
 from components.runtime.sampling import Sampling
 from flows.bench import GPT2_SMALL, BenchSetup, benchmark_model_dir, random_prompts
 from flows.bench_cuda import torch_cuda_engine
@@ -49,14 +49,9 @@ def main() -> None:
 
     engines = {}
     for name, (pdl, tiles) in VARIANTS.items():
-        original = triton_decode._has_pdl
-        triton_decode._has_pdl = lambda device, pdl=pdl: pdl  # the step reads it when it is built
         started = time.perf_counter()
-        try:
-            engines[name] = load_engine(engine_path)
-        finally:
-            triton_decode._has_pdl = original
-        for attribute, value in tiles.items():  # before the first call: graphs are captured then
+        engines[name] = load_engine(engine_path)
+        for attribute, value in ({"pdl": pdl} | tiles).items():  # before the first call: graphs are captured then
             setattr(engines[name].runner.fast_step, attribute, value)
         print(f"{name}: loaded in {time.perf_counter() - started:.1f} s", flush=True)
 
