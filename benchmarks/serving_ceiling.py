@@ -20,13 +20,13 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from components.runtime import load_engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
+from flows.bench import random_prompts
 from serving.scheduler import Finished, Scheduler, Sequence
 from serving.text import TextStream
 
@@ -80,8 +80,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (kiln serve's serving.threads)")
     args = parser.parse_args()
     engine = load_engine(args.engine, threads=args.threads)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, engine.manifest.vocab_size, PROMPT_TOKENS).tolist() for _ in range(64)]
+    prompts = random_prompts(64, PROMPT_TOKENS, engine.manifest.vocab_size, seed=0)
     rows: dict[str, list[float]] = {name: [] for name in ("engine, 1 row", f"engine, {CLIENTS} rows", "scheduler, batch 1", f"scheduler, batch {CLIENTS}")}
     for _ in range(3):
         rows["engine, 1 row"].append(engine_alone(engine, prompts, 1))

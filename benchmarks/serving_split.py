@@ -51,8 +51,13 @@ def engine_process(conn, engine_dir: str, threads: int, max_batch: int | None) -
     scheduler = Scheduler(load_engine(Path(engine_dir), threads=threads), max_waiting=256, max_batch=max_batch, observe=flush)
 
     def emit_for(rid: int):
-        def emit(event) -> None:
-            item = (rid, event.text) if isinstance(event, Delta) else (rid, None, event.reason, event.prompt_tokens, event.completion_tokens) if isinstance(event, Finished) else (rid, None, "error", 0, 0)
+        def emit(event) -> None:  # (rid, text) for a delta; (rid, None, reason, prompt, completion) at the end
+            if isinstance(event, Delta):
+                item = (rid, event.text)
+            elif isinstance(event, Finished):
+                item = (rid, None, event.reason, event.prompt_tokens, event.completion_tokens)
+            else:
+                item = (rid, None, "error", 0, 0)
             with lock:
                 outbox.append(item)
 
