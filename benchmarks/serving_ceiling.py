@@ -28,7 +28,6 @@ from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from flows.bench import random_prompts
 from serving.scheduler import Finished, Scheduler, Sequence
-from serving.text import TextStream
 
 CLIENTS, PROMPT_TOKENS, NEW_TOKENS = 16, 32, 32
 
@@ -50,7 +49,7 @@ def scheduler_alone(engine_dir: Path, threads: int, prompts: list[list[int]], ma
     """Tokens/s of the server's scheduler under CLIENTS closed-loop clients (its own engine:
     closing a scheduler closes its engine, as a swap does)."""
     tokenizer = EngineTokenizer(engine_dir)
-    scheduler = Scheduler(load_engine(engine_dir, threads=threads), max_waiting=4 * CLIENTS, max_batch=max_batch)
+    scheduler = Scheduler(load_engine(engine_dir, threads=threads), tokenizer, max_waiting=4 * CLIENTS, max_batch=max_batch)
     tokens = [0]
     sampling = Sampling(max_new_tokens=NEW_TOKENS, stop_at_eos=False)
 
@@ -60,7 +59,7 @@ def scheduler_alone(engine_dir: Path, threads: int, prompts: list[list[int]], ma
                 tokens[0] += event.completion_tokens
                 submit(index + CLIENTS)  # the client's next request, at once
 
-        sequence = Sequence(prompts[index % len(prompts)], sampling, TextStream(tokenizer.stream_decoder()), emit)
+        sequence = Sequence(prompts[index % len(prompts)], sampling, emit)
         scheduler.submit([sequence])
 
     for client in range(CLIENTS):

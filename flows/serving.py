@@ -57,7 +57,7 @@ def _private_file(path: Path, content: str) -> str:
 def serve_alias(root: Path, params: Params, alias: str | None, host: str | None, port: int | None, engine: Path | None = None, max_batch: int | None = None) -> None:
     """Serve the alias (default serving.alias), or with `engine` that local directory."""
     from serving.app import ServerSettings, serve
-    from serving.follow import RuntimeOptions
+    from serving.engine_process import RuntimeOptions
     from serving.sources import AliasSource, LocalSource
 
     config = params.serving

@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving import handlers
-from serving.follow import AliasFollower, NothingToServe, RuntimeOptions, ServedEngine
+from serving.engine_process import RuntimeOptions
+from serving.follow import AliasFollower, NothingToServe, ServedEngine
 from serving.handlers import ApiError
 from serving.metrics import ServerMetrics
 from serving.schemas import ErrorBody, ErrorDetail
@@ -115,7 +116,7 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
     @app.get("/readyz")
     async def readyz() -> Response:
         current = follower.current
-        if current is None:
+        if current is None or not current.scheduler.alive:  # not loaded yet, or its engine process died and is loading again
             return JSONResponse({"ready": False}, status_code=503)
         return JSONResponse({"ready": True, **current.facts}, headers={VERSION_HEADER: current.version})
 
@@ -132,7 +133,7 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             _authorize(request, settings)
             completion = handlers.parse_completion(await _body(request, settings.max_body_bytes), settings.max_tokens)

@@ -1,10 +1,11 @@
 """Following an alias: what is served is what `models:/<name>@<alias>` names, verified.
 
-A moved alias is pulled, verified, loaded and warmed off the request path (in the caller's
-thread: the poller's or the webhook's), then swapped in with one assignment; the old
-engine's scheduler stops taking requests, finishes those it holds and only then frees its
-engine. A version the loader refuses is never served: the old one keeps serving, and the
-refusal is logged and counted.
+A moved alias is pulled and verified, then loaded and warmed in an engine process of its
+own (serving.engine_process), off the request path (in the caller's thread: the poller's
+or the webhook's); it is swapped in with one assignment; the old engine process stops
+taking requests, finishes those it holds and only then exits. A version the loader
+refuses is never served: the old one keeps serving, and the refusal is logged and
+counted. An engine process that dies is started again on the same version.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from components.errors import KilnError, RegistryError, VersionRefused
-from components.runtime.sampling import Sampling
+from components.errors import KilnError, RegistryError
 from components.runtime.tokenizer import EngineTokenizer
 from registry import VersionInfo
-from serving.loader import PulledVersion, load
-from serving.scheduler import Scheduler
+from serving.engine_process import EngineProcess, RuntimeOptions
+from serving.loader import PulledVersion
 from serving.sources import EngineSource
 
 log = logging.getLogger("kiln.serving")
@@ -30,20 +30,10 @@ class NothingToServe(KilnError):
     """The alias names no version, or only one the loader refuses."""
 
 
-@dataclass(frozen=True)
-class RuntimeOptions:
-    """How a served engine runs: ONNX Runtime threads, the batch cap (within the engine's
-    profile; 1 serves one request at a time) and the waiting line's length."""
-
-    threads: int | None = None
-    max_batch: int | None = None
-    max_waiting: int = 64
-
-
 @dataclass
 class ServedEngine:
     pulled: PulledVersion
-    scheduler: Scheduler
+    scheduler: EngineProcess
     tokenizer: EngineTokenizer
     load_seconds: float
     created: int  # Unix seconds, for OpenAI's `created`
@@ -69,17 +59,12 @@ class ServedEngine:
         }
 
 
-def start_engine(pulled: PulledVersion, options: RuntimeOptions, observe: Callable[[int, int, int], None]) -> ServedEngine:
-    """Load a pulled version through the runtime the gates used, warm it, give it a scheduler."""
+def start_engine(pulled: PulledVersion, options: RuntimeOptions, observe: Callable[[int, int, int], None], on_lost: Callable[[], None]) -> ServedEngine:
+    """Load a pulled version in an engine process, through the runtime the gates used, and
+    warm it; VersionRefused when it cannot serve."""
     started = time.perf_counter()
-    engine = load(pulled, threads=options.threads)
-    try:
-        engine.generate([[engine.manifest.eos_token_id]], Sampling(max_new_tokens=2, stop_at_eos=False))  # warm-up
-    except Exception as err:  # ShapeOutOfProfile or the backend's own error type alike
-        engine.close()
-        raise VersionRefused(f"{pulled.label} is refused: its warm-up generation failed: {err}") from err
-    scheduler = Scheduler(engine, max_waiting=options.max_waiting, max_batch=options.max_batch, observe=observe)
-    return ServedEngine(pulled, scheduler, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()))
+    process = EngineProcess(pulled, options, observe=observe, on_lost=on_lost)
+    return ServedEngine(pulled, process, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()))
 
 
 class AliasFollower:
@@ -106,7 +91,7 @@ class AliasFollower:
                 info = self.source.resolve()
             except RegistryError as err:
                 return self._unresolved(err)
-            if self.current and info.version == self.current.version:
+            if self.current and info.version == self.current.version and self.current.scheduler.alive:
                 return "unchanged"
             if info.version in self._refused and not retry_refused and self.current:
                 return "unchanged"
@@ -115,7 +100,7 @@ class AliasFollower:
     def _swap_to(self, info: VersionInfo) -> str:
         try:
             started = time.perf_counter()
-            new = start_engine(self.source.pull(info), self.options, self._observe)
+            new = start_engine(self.source.pull(info), self.options, self._observe, on_lost=self._reload)
         except Exception as err:  # VersionRefused, the registry failing mid-pull, or a runtime's own error: never served
             self._refused.add(info.version)
             self._on_event("refused", self.current, time.perf_counter() - started)
@@ -130,6 +115,10 @@ class AliasFollower:
         if old is not None:
             threading.Thread(target=self._retire, args=(old,), name="kiln-retire", daemon=True).start()
         return "swapped"
+
+    def _reload(self) -> None:
+        """The engine process died: load the alias's version again, off the reader's thread."""
+        threading.Thread(target=self.follow, kwargs={"retry_refused": True}, name="kiln-reload", daemon=True).start()
 
     def _retire(self, old: ServedEngine) -> None:
         old.scheduler.close()  # finishes the requests it holds, then frees the engine

@@ -18,11 +18,11 @@ from pydantic import ValidationError
 
 from components.errors import ShapeOutOfProfile
 from components.runtime.sampling import Sampling
+from serving.engine_process import EngineLost
 from serving.follow import ServedEngine
 from serving.metrics import ServerMetrics
 from serving.scheduler import Delta, Event, Failed, Finished, QueueFull, SchedulerClosed, Sequence
 from serving.schemas import Choice, Completion, CompletionRequest, ModelCard, ModelList, Usage
-from serving.text import TextStream
 
 
 class ApiError(Exception):
@@ -59,12 +59,12 @@ class Submitted:
 
     sequences: list[Sequence]
     events: asyncio.Queue
-    started: float
+    started: float  # time.monotonic(), the clock of the sequences' token times
     done: set[int] = field(default_factory=set)
 
     def cancel(self) -> None:
         for seq in self.sequences:
-            seq.cancelled = True
+            seq.cancel()
 
 
 class Mailbox:
@@ -109,14 +109,15 @@ def submit(request: CompletionRequest, served: ServedEngine, started: float, mai
             raise ApiError(400, f"prompt {index} encodes to no tokens", param="prompt")
         if max(ids) >= vocab:
             raise ApiError(400, f"prompt {index} has token id {max(ids)}; the model's vocabulary has {vocab}", param="prompt")
-        text = TextStream(served.tokenizer.stream_decoder(), request.stops)
-        sequences.append(Sequence(ids, sampling, text, _emitter(mailbox, events, index), stream=request.stream))
+        sequences.append(Sequence(ids, sampling, _emitter(mailbox, events, index), stops=request.stops, stream=request.stream))
     try:
         served.scheduler.submit(sequences)
     except ShapeOutOfProfile as err:
         raise ApiError(400, str(err), param="max_tokens" if "max_tokens" in str(err) else "prompt", code="context_length_exceeded") from None
     except QueueFull as err:
         raise _busy(f"the server is busy: {err}; retry shortly", "queue_full") from None
+    except EngineLost as err:
+        raise _busy(f"the engine is not running: {err}", "engine_lost") from None
     except SchedulerClosed as err:
         raise _busy(f"the engine is being swapped: {err}; retry", "engine_swapping") from None
     return Submitted(sequences, events, started)
@@ -150,7 +151,7 @@ async def complete(served: ServedEngine, job: Submitted) -> Completion:
     async for index, event in events_of(job):
         if isinstance(event, Finished):
             finished[index] = event
-    choices = [Choice(index=i, text=seq.text.text, finish_reason=finished[i].reason) for i, seq in enumerate(job.sequences)]
+    choices = [Choice(index=i, text=seq.text, finish_reason=finished[i].reason) for i, seq in enumerate(job.sequences)]
     return Completion(id=job_id(), created=int(time.time()), model=served.model, choices=choices, usage=usage_of(finished.values()))
 
 
@@ -193,8 +194,8 @@ def usage_of(finished) -> Usage:
 
 
 def observe(job: Submitted, metrics: ServerMetrics, outcome: str) -> None:
-    """A finished request's times and counts (token times as the scheduler saw them)."""
-    now = time.perf_counter()
+    """A finished request's times and counts (token times as the engine process saw them)."""
+    now = time.monotonic()
     metrics.requests.labels(outcome).inc()
     metrics.request_duration.observe(now - job.started)
     metrics.prompt_tokens.inc(sum(len(s.prompt) for s in job.sequences))

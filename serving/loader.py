@@ -17,6 +17,7 @@ from components.errors import BackendUnavailable, EngineError, RegistryError, Ve
 from components.files import exclusive_lock, stage_output
 from components.runtime import open_engine
 from components.runtime.engine import Engine
+from components.runtime.sampling import Sampling
 from registry import RegistryTarget, VersionInfo, download_version, get_version, resolve_alias
 from registry.verify import check_gates, verified_engine_dir
 
@@ -66,6 +67,18 @@ def load(pulled: PulledVersion, threads: int | None = None) -> Engine:
         return open_engine(pulled.engine_dir, threads=threads)
     except (EngineError, BackendUnavailable) as err:  # corrupt, or not runnable on this machine
         raise VersionRefused(f"{pulled.label} is refused: {err}") from err
+
+
+def load_warm(pulled: PulledVersion, threads: int | None = None) -> Engine:
+    """`load`, then one short generation: a version that cannot generate is refused here,
+    before it serves anyone."""
+    engine = load(pulled, threads=threads)
+    try:
+        engine.generate([[engine.manifest.eos_token_id]], Sampling(max_new_tokens=2, stop_at_eos=False))
+    except Exception as err:  # ShapeOutOfProfile or the backend's own error type alike
+        engine.close()
+        raise VersionRefused(f"{pulled.label} is refused: its warm-up generation failed: {err}") from err
+    return engine
 
 
 def _download_into(target: RegistryTarget, version: str, local: Path) -> None:

@@ -18,7 +18,6 @@ from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from serving.scheduler import Event, Failed, Finished, Scheduler, Sequence
-from serving.text import TextStream
 
 
 def measure_scenario(
@@ -28,18 +27,18 @@ def measure_scenario(
     requests, in ms: `clients` threads each sending `requests` requests back to back,
     taking prompts in turn from `prompts`, each answered with `new_tokens` tokens. The
     engine is the scheduler's, as in the server: it is closed when this returns."""
-    scheduler = Scheduler(engine, max_waiting=clients)
+    scheduler = Scheduler(engine, tokenizer, max_waiting=clients)
     sampling = Sampling(max_new_tokens=new_tokens, stop_at_eos=False)
     timings: list[tuple[float, float, float]] = []  # (ttft, per output token, whole request) in ms
     failures: list[str] = []
 
     def client(index: int) -> None:
         for request in range(requests):
-            outcome = _one_request(scheduler, tokenizer, prompts[(index + request * clients) % len(prompts)], sampling)
+            outcome = _one_request(scheduler, prompts[(index + request * clients) % len(prompts)], sampling)
             (failures.append(outcome) if isinstance(outcome, str) else timings.append(outcome))
 
     try:
-        _one_request(scheduler, tokenizer, prompts[0], sampling)  # warm-up
+        _one_request(scheduler, prompts[0], sampling)  # warm-up
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
         for thread in threads:
             thread.start()
@@ -58,7 +57,7 @@ def measure_scenario(
     }  # fmt: skip
 
 
-def _one_request(scheduler: Scheduler, tokenizer: EngineTokenizer, prompt: list[int], sampling: Sampling) -> tuple[float, float, float] | str:
+def _one_request(scheduler: Scheduler, prompt: list[int], sampling: Sampling) -> tuple[float, float, float] | str:
     done = threading.Event()
     ended: list[Event] = []
 
@@ -67,8 +66,8 @@ def _one_request(scheduler: Scheduler, tokenizer: EngineTokenizer, prompt: list[
             ended.append(event)
             done.set()
 
-    sequence = Sequence(prompt, sampling, TextStream(tokenizer.stream_decoder()), emit, stream=False)
-    started = time.perf_counter()
+    sequence = Sequence(prompt, sampling, emit, stream=False)
+    started = time.monotonic()
     scheduler.submit([sequence])
     done.wait()
     if isinstance(ended[0], Failed):

@@ -7,7 +7,9 @@ sequence at once. The batch never exceeds the engine's profile; the waiting line
 bounded, and a full line is refused at once (the server answers 503 with Retry-After).
 
 Each sequence samples with its own settings and seed and stops on its own conditions;
-tokens and text reach its client as its steps complete, through `Sequence.emit`.
+tokens and text reach its client as its steps complete, through `Sequence.emit`. kiln serve
+runs this scheduler in a process of its own (serving.engine_process); the serving gate and
+the tests run it in theirs.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from components.engine_dir import EngineManifest
 from components.errors import KilnError, ShapeOutOfProfile
 from components.runtime.engine import DecodeState, Engine, left_pad
 from components.runtime.sampling import Sampling, pick_each
+from components.runtime.tokenizer import EngineTokenizer
 from serving.text import TextStream
 
 
@@ -58,50 +62,43 @@ Event = Delta | Finished | Failed
 
 @dataclass(eq=False)
 class Sequence:
-    """One prompt being completed. `emit` is called from the scheduler's thread."""
+    """One prompt being completed. `emit` is called from the scheduler's thread (in kiln
+    serve: the thread that reads the engine process's messages)."""
 
     prompt: list[int]
     sampling: Sampling
-    text: TextStream
     emit: Callable[[Event], None]
+    stops: tuple[str, ...] = ()  # OpenAI's `stop`: the text ends just before the first one
     stream: bool = True  # False: no Delta events, the text is read from `text` once Finished
     generated: list[int] = field(default_factory=list)
-    cancelled: bool = False  # set by the client's side when it disconnects
-    first_token_at: float | None = None  # perf_counter, for time-to-first-token
+    text: str = ""  # the completion's whole text, set when it has finished
+    cancelled: bool = False
+    # time.monotonic(), for time to first token: CLOCK_MONOTONIC on Linux, one clock for
+    # every process of the machine, so the engine process's times compare with the server's.
+    first_token_at: float | None = None
     last_token_at: float | None = None
-    rng: np.random.Generator = field(init=False)
+    on_cancel: Callable[[], None] = field(default=lambda: None, repr=False)  # set by the scheduler that holds it
 
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.sampling.seed)
+    def cancel(self) -> None:
+        """The client has gone: the sequence leaves the batch at the next step (no-op once finished)."""
+        self.cancelled = True
+        self.on_cancel()
 
 
-class Scheduler:
-    """Runs `engine` for every submitted sequence; see the module docstring."""
+@dataclass(frozen=True)
+class Limits:
+    """What one engine can hold: rows in a batch, prompt tokens, prompt plus new tokens."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        max_waiting: int,
-        max_batch: int | None = None,
-        observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None,
-    ) -> None:
-        profiles = engine.manifest.profiles
-        self.engine = engine
-        self.max_batch = min(profiles["context"].batch.max, profiles["generation"].batch.max, max_batch or 1 << 30)
-        self.max_prompt = profiles["context"].sequence.max
-        self.max_total = profiles["generation"].past.max + 1
-        self.max_waiting = max_waiting
-        self._observe = observe
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
-        self._state: DecodeState | None = None
-        self._next = np.zeros(0, np.int64)  # the token each running row feeds next
-        self._wake = threading.Condition()
-        self._closing = False
-        self._thread = threading.Thread(target=self._loop, name=f"kiln-batcher-{id(self):x}", daemon=True)
-        self._thread.start()
+    max_batch: int
+    max_prompt: int
+    max_total: int
 
-    # ------------------------------------------------------------ client side
+    @classmethod
+    def of(cls, manifest: EngineManifest, max_batch: int | None = None) -> Limits:
+        """The engine's profiles, the batch capped at `max_batch` (1: one request at a time)."""
+        profiles = manifest.profiles
+        batch = min(profiles["context"].batch.max, profiles["generation"].batch.max, max_batch or 1 << 30)
+        return cls(batch, profiles["context"].sequence.max, profiles["generation"].past.max + 1)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise ShapeOutOfProfile, naming the limit, for a request the engine cannot hold."""
@@ -113,16 +110,56 @@ class Scheduler:
                 f"the engine's profile allows {self.max_total}"
             )
 
+
+@dataclass(eq=False)
+class _Held:
+    """A sequence as the scheduler holds it, with its text so far and its random stream."""
+
+    seq: Sequence
+    text: TextStream
+    rng: np.random.Generator
+
+
+class Scheduler:
+    """Runs `engine` for every submitted sequence; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: EngineTokenizer,
+        max_waiting: int,
+        max_batch: int | None = None,
+        observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None,
+    ) -> None:
+        self.engine = engine
+        self.limits = Limits.of(engine.manifest, max_batch)
+        self.max_batch = self.limits.max_batch
+        self.max_waiting = max_waiting
+        self._tokenizer = tokenizer
+        self._observe = observe
+        self._waiting: deque[_Held] = deque()
+        self._running: list[_Held] = []
+        self._state: DecodeState | None = None
+        self._next = np.zeros(0, np.int64)  # the token each running row feeds next
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name=f"kiln-batcher-{id(self):x}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ client side
+
     def submit(self, sequences: list[Sequence]) -> None:
         """Queue sequences (all or none); QueueFull when the line cannot take them all."""
         for seq in sequences:
-            self.check_fits(len(seq.prompt), seq.sampling.max_new_tokens)
+            self.limits.check_fits(len(seq.prompt), seq.sampling.max_new_tokens)
         with self._wake:
             if self._closing:
                 raise SchedulerClosed("this engine is being swapped out")
+            if len(self._waiting) + len(sequences) > self.max_waiting:  # the abandoned hold no place in line
+                self._waiting = deque(r for r in self._waiting if not r.seq.cancelled)
             if len(self._waiting) + len(sequences) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.max_waiting})")
-            self._waiting.extend(sequences)
+            self._waiting.extend(_Held(s, TextStream(self._tokenizer.stream_decoder(), s.stops), np.random.default_rng(s.sampling.seed)) for s in sequences)
             self._wake.notify()
 
     @property
@@ -163,7 +200,7 @@ class Scheduler:
 
     def _turn(self) -> int:
         """One decode step for the running batch, then admissions; returns the rows decoded."""
-        self._retire([row for row, seq in enumerate(self._running) if seq.cancelled])
+        self._retire([row for row, r in enumerate(self._running) if r.seq.cancelled])
         decoded = len(self._running)
         if decoded:
             logits, self._state = self.engine.decode(self._state, self._next)
@@ -173,23 +210,23 @@ class Scheduler:
             self._prefill(admitted)
         return decoded
 
-    def _take_waiting(self) -> list[Sequence]:
+    def _take_waiting(self) -> list[_Held]:
         with self._wake:
             room = self.max_batch - len(self._running)
             taken = []
             while self._waiting and len(taken) < room:
-                seq = self._waiting.popleft()
-                if not seq.cancelled:
-                    taken.append(seq)
+                waiting = self._waiting.popleft()
+                if not waiting.seq.cancelled:
+                    taken.append(waiting)
             return taken
 
-    def _prefill(self, admitted: list[Sequence]) -> None:
-        ids, mask = left_pad([s.prompt for s in admitted], self.engine.manifest.eos_token_id)
+    def _prefill(self, admitted: list[_Held]) -> None:
+        ids, mask = left_pad([r.seq.prompt for r in admitted], self.engine.manifest.eos_token_id)
         try:
             logits, state = self.engine.prefill(ids, mask)
         except Exception as err:
-            for seq in admitted:
-                seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
+            for r in admitted:
+                r.seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
             return
         first = len(self._running)
         self._running.extend(admitted)
@@ -200,30 +237,32 @@ class Scheduler:
     def _advance(self, logits: np.ndarray, rows: range) -> None:
         """Pick each row's next token with its own sampling; emit it; retire the finished."""
         done = []
-        sequences = [self._running[row] for row in rows]
-        tokens = pick_each(logits, [s.sampling for s in sequences], [s.rng for s in sequences])
-        for row, seq, token in zip(rows, sequences, tokens.tolist(), strict=True):
+        running = [self._running[row] for row in rows]
+        tokens = pick_each(logits, [r.seq.sampling for r in running], [r.rng for r in running])
+        for row, r, token in zip(rows, running, tokens.tolist(), strict=True):
             self._next[row] = token
-            reason = self._accept(seq, token)
+            reason = self._accept(r, token)
             if reason:
                 done.append(row)
-                rest = seq.text.finish()
-                if rest and seq.stream:
-                    seq.emit(Delta(rest))
-                seq.emit(Finished(reason, len(seq.prompt), len(seq.generated)))
+                rest = r.text.finish()
+                if rest and r.seq.stream:
+                    r.seq.emit(Delta(rest))
+                r.seq.text = r.text.text
+                r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated)))
         self._retire(done)
 
-    def _accept(self, seq: Sequence, token: int) -> str | None:
+    def _accept(self, r: _Held, token: int) -> str | None:
         """Add a token to the sequence; the finish reason if it ends here."""
+        seq = r.seq
         if seq.sampling.stop_at_eos and token == self.engine.manifest.eos_token_id:
             return "stop"
         seq.generated.append(token)
-        seq.last_token_at = time.perf_counter()
+        seq.last_token_at = time.monotonic()
         seq.first_token_at = seq.first_token_at or seq.last_token_at
-        delta = seq.text.add(token)
+        delta = r.text.add(token)
         if seq.stream:
             seq.emit(Delta(delta))
-        if seq.text.stopped:
+        if r.text.stopped:
             return "stop"
         if len(seq.generated) >= seq.sampling.max_new_tokens:
             return "length"
@@ -241,8 +280,8 @@ class Scheduler:
         self._state = state if keep else None
 
     def _fail_all(self, message: str) -> None:
-        for seq in self._running:
-            seq.emit(Failed(message))
+        for r in self._running:
+            r.seq.emit(Failed(message))
         if self._state is not None:
             self._state.rows([])  # gives the cache back (an engine's device slots)
         self._running, self._state, self._next = [], None, np.zeros(0, np.int64)

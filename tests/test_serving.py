@@ -9,6 +9,8 @@ client. What the server answers is compared with the runtime the gates drove.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +27,7 @@ from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from registry import CHAMPION, RegistryTarget, promote, register_engine
 from serving.app import VERSION_HEADER, ServerSettings, create_app
-from serving.follow import RuntimeOptions
+from serving.engine_process import RuntimeOptions
 from serving.sources import AliasSource
 from serving.webhooks import signature_of
 
@@ -228,12 +230,44 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_answerin
         assert completion(client, prompt=["a", "b"], max_tokens=4).status_code == 200
 
 
-def test_a_client_that_disconnects_mid_stream_leaves_the_server_answering(server):
-    with server.client() as client, client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": ["The list"] * 4, "max_tokens": 120, "stream": True}) as response:
-        next(response.iter_lines())  # one chunk, then hang up
-    wait_for_empty_batch(server)
-    with server.client() as client:
-        assert completion(client, prompt="x", max_tokens=2).status_code == 200
+LONG_STREAM = {"model": MODEL, "prompt": ["The list"] * 4, "max_tokens": 120, "ignore_eos": True, "stream": True}
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_rows_and_the_server_keeps_answering(store):
+    with LiveServer(store.app(max_tokens=120)) as live:
+        before = metrics_of(live)["kiln_decoded_rows_total"]
+        with live.client() as client, client.stream("POST", "/v1/completions", json=LONG_STREAM) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # one chunk, then hang up
+        wait_for_empty_batch(live)
+        decoded = metrics_of(live)["kiln_decoded_rows_total"] - before
+        with live.client() as client:
+            assert completion(client, prompt="x", max_tokens=2).status_code == 200
+    assert decoded < 4 * 120 / 2, f"{decoded:.0f} rows decoded: the engine went on with the sequences of a client that had left"
+
+
+def test_an_engine_process_that_dies_is_loaded_again_and_the_server_keeps_answering(store):
+    """What is in flight ends with an error event, not a hang; meanwhile requests are 503
+    (retry) or 200, never a 5xx; then the same version serves again from a new process."""
+    with LiveServer(store.app(max_tokens=120)) as live, live.client() as client:
+        lost = live.app.state.follower.current.scheduler
+        with client.stream("POST", "/v1/completions", json=LONG_STREAM) as response:
+            lines = response.iter_lines()
+            next(lines)
+            os.kill(lost.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        statuses = []
+        deadline = time.monotonic() + 60
+        while not statuses or statuses[-1] != 200:
+            assert time.monotonic() < deadline, f"the server did not serve again within 60 s: {statuses[-5:]}"
+            statuses.append(completion(client, prompt="x", max_tokens=2).status_code)
+        answer = completion(client, prompt="x", max_tokens=2)
+        swaps = metrics_of(live)['kiln_engine_swaps_total{"result": "swapped"}']
+        ready = httpx.get(f"{live.url}/readyz").status_code
+    assert rest[-1] == "data: [DONE]" and '"code": "engine_failed"' in rest[-2]
+    assert set(statuses) <= {200, 503}, statuses
+    assert answer.headers[VERSION_HEADER] == store.fp32 and ready == 200
+    assert swaps == 2  # the first load, then the reload
 
 
 @pytest.fixture()
@@ -247,12 +281,11 @@ def own_engine(engine_dir):
 def test_the_batch_never_exceeds_the_engines_profile_and_the_rest_wait(own_engine, tokenizer):
     engine = own_engine
     from serving.scheduler import Finished, Scheduler, Sequence
-    from serving.text import TextStream
 
     batches, finished = [], threading.Semaphore(0)
-    scheduler = Scheduler(engine, max_waiting=32, observe=lambda running, waiting, decoded: batches.append((running, waiting)))
+    scheduler = Scheduler(engine, tokenizer, max_waiting=32, observe=lambda running, waiting, decoded: batches.append((running, waiting)))
     emit = lambda event: finished.release() if isinstance(event, Finished) else None  # noqa: E731
-    sequences = [Sequence(tokenizer.encode(f"The list {i}"), Sampling(max_new_tokens=6, stop_at_eos=False), TextStream(tokenizer.stream_decoder()), emit) for i in range(20)]
+    sequences = [Sequence(tokenizer.encode(f"The list {i}"), Sampling(max_new_tokens=6, stop_at_eos=False), emit) for i in range(20)]
     scheduler.submit(sequences)
     for _ in sequences:
         assert finished.acquire(timeout=30)
@@ -267,18 +300,17 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(own_engine, toke
     """What a disconnect does (the server marks the client's sequences cancelled): the slot
     is free at once, not after max_tokens."""
     from serving.scheduler import Delta, Finished, Scheduler, Sequence
-    from serving.text import TextStream
 
-    scheduler = Scheduler(own_engine, max_waiting=4)
+    scheduler = Scheduler(own_engine, tokenizer, max_waiting=4)
     events, gone = [], threading.Event()
 
     def emit(event) -> None:
         events.append(event)
         if isinstance(event, Delta) and len(events) == 3:
-            sequence.cancelled = True
+            sequence.cancel()
             gone.set()
 
-    sequence = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=120, stop_at_eos=False), TextStream(tokenizer.stream_decoder()), emit)
+    sequence = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=120, stop_at_eos=False), emit)
     scheduler.submit([sequence])
     assert gone.wait(10)
     deadline = time.monotonic() + 5

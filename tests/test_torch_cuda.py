@@ -236,15 +236,14 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
 
     from components.runtime import open_engine
     from serving.scheduler import Finished, Scheduler, Sequence
-    from serving.text import TextStream
 
     tokenizer = EngineTokenizer(engine_dir.path)
     torch_engine_ = open_engine(cpu_engine_dir)
     done, batches = threading.Semaphore(0), []
-    scheduler = Scheduler(torch_engine_, max_waiting=32, observe=lambda running, waiting, decoded: batches.append(running))
+    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=32, observe=lambda running, waiting, decoded: batches.append(running))
 
     def sequence(text: str, sampling: Sampling) -> Sequence:
-        return Sequence(tokenizer.encode(text), sampling, TextStream(tokenizer.stream_decoder()), lambda e: done.release() if isinstance(e, Finished) else None)
+        return Sequence(tokenizer.encode(text), sampling, lambda e: done.release() if isinstance(e, Finished) else None)
 
     greedy = [sequence(f"The list {i}", Sampling(max_new_tokens=4 + i % 7, stop_at_eos=False)) for i in range(19)]
     sampled = [sequence("A function is", Sampling(max_new_tokens=9, temperature=0.9, top_p=0.9, seed=7, stop_at_eos=False)) for _ in range(2)]

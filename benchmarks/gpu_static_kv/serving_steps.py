@@ -27,8 +27,8 @@ def main() -> None:
     from components.runtime import open_engine
     from components.runtime.sampling import Sampling
     from flows.bench import random_prompts
+    from components.runtime.tokenizer import EngineTokenizer
     from serving.scheduler import Finished, Scheduler, Sequence
-    from serving.text import TextStream
 
     engine_path = next(p for p in (args.bench_work / "gpt2-small" / "engines").glob("torch-cuda-fp16-*") if not p.name.endswith(".compile-cache"))
     engine = open_engine(load_engine_dir(engine_path))
@@ -40,11 +40,11 @@ def main() -> None:
         engine.generate(prompts[:batch], sampling)
         return (time.perf_counter() - start) * 1000
 
-    scheduler = Scheduler(engine, max_waiting=64)
+    scheduler = Scheduler(engine, EngineTokenizer(engine_path), max_waiting=64)
 
     def through_scheduler(batch: int) -> float:
         done = threading.Semaphore(0)
-        sequences = [Sequence(p, sampling, TextStream(lambda token: "x"), lambda e: done.release() if isinstance(e, Finished) else None, stream=False) for p in prompts[:batch]]
+        sequences = [Sequence(p, sampling, lambda e: done.release() if isinstance(e, Finished) else None, stream=False) for p in prompts[:batch]]
         start = time.perf_counter()
         scheduler.submit(sequences)
         for _ in sequences:
