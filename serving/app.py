@@ -49,6 +49,7 @@ def create_app(source: EngineSource, settings: ServerSettings = ServerSettings()
     metrics = ServerMetrics()
     follower = AliasFollower(source, settings.runtime, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds))
     follower.observe_batches(metrics.observe_batch)
+    metrics.watch_engine_process(lambda: follower.current.scheduler.pid if follower.current else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -47,6 +47,11 @@ class ServerMetrics:
         self.webhooks = Counter("kiln_webhook_deliveries_total", "MLflow webhook deliveries by result.", ["result"], registry=r)
         self.served = Info("kiln_served_engine", "The registered version being served.", registry=r)
         self.ready = Gauge("kiln_ready", "1 while a warm engine serves requests.", registry=r)
+
+    def watch_engine_process(self, pid: Callable[[], int | None]) -> None:
+        """The served engine's own process (serving.engine_process): its memory and CPU as
+        `kiln_engine_process_*`, read from /proc at scrape time (nothing while none runs)."""
+        ProcessCollector(namespace="kiln_engine", pid=lambda: pid() or "none", registry=self.registry)
 
     def observe_batch(self, running: int, waiting: int, decoded: int) -> None:
         self.running_batch.set(running)

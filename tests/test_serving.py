@@ -403,10 +403,12 @@ def test_metrics_count_what_clients_received(server):
     generated = sum(u["completion_tokens"] for u in usages)
     assert after["kiln_generated_tokens_total"] - before["kiln_generated_tokens_total"] == generated
     assert after["kiln_prompt_tokens_total"] - before["kiln_prompt_tokens_total"] == sum(u["prompt_tokens"] for u in usages)
-    assert after['kiln_requests_total{"outcome": "ok"}'] - before['kiln_requests_total{"outcome": "ok"}'] == 2
+    assert after['kiln_requests_total{"outcome": "ok"}'] - before.get('kiln_requests_total{"outcome": "ok"}', 0) == 2  # absent before a first request
     assert after["kiln_request_duration_seconds_count"] - before["kiln_request_duration_seconds_count"] == 2
     assert after["kiln_time_to_first_token_seconds_count"] - before["kiln_time_to_first_token_seconds_count"] == 2
     assert after["process_resident_memory_bytes"] > 0
+    assert after["kiln_engine_process_resident_memory_bytes"] > 0  # the engine's own process
+    assert after["kiln_engine_process_cpu_seconds_total"] > before["kiln_engine_process_cpu_seconds_total"]
     info = {k: v for k, v in after.items() if k.startswith("kiln_served_engine_info")}
     assert len(info) == 1 and '"precision": "fp32"' in next(iter(info))
     assert after["kiln_ready"] == 1 and after['kiln_engine_swaps_total{"result": "swapped"}'] == 1
