@@ -181,7 +181,7 @@ class EngineProcess:
                 self._apply(item)
             self._running, self._waiting = running, waiting
             self._observe(running, waiting, decoded)
-        self._process.join()
+        self._process.join(10)  # its end of the pipe is closed: it has exited or is exiting
         self._running = self._waiting = 0
         with self._lock:
             lost, self._live, asked = list(self._live.values()), {}, self._closing
@@ -221,7 +221,11 @@ class EngineProcess:
 def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion, options: RuntimeOptions, max_waiting: int) -> None:
     """Load and warm the engine, answer `ready` (or `refused`), then run the scheduler for
     whatever arrives until `close`, or until the server's end of the pipe is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server stops this one itself
+    # Ctrl-C (and a service manager's SIGTERM) reach the whole process group; the server
+    # drains this process itself when it shuts down, and if the server dies this process
+    # sees its pipe close and exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from components.runtime.tokenizer import EngineTokenizer
     from serving.loader import load_warm
 

@@ -78,6 +78,7 @@ class AliasFollower:
         self._observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None
         self._lock = threading.Lock()
         self._refused: set[str] = set()
+        self._closed = False  # after `close`, nothing is loaded again
 
     def observe_batches(self, observe: Callable[[int, int, int], None]) -> None:
         self._observe = observe
@@ -87,6 +88,8 @@ class AliasFollower:
         `refused` (the alias names a version the loader refuses) or `unresolved` (the alias
         is gone or the registry unreachable); with nothing served yet, raises NothingToServe."""
         with self._lock:
+            if self._closed:
+                return "unchanged"
             try:
                 info = self.source.resolve()
             except RegistryError as err:
@@ -137,6 +140,7 @@ class AliasFollower:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self.current is not None:
                 self.current.scheduler.close()
                 self.current = None
