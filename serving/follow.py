@@ -94,9 +94,10 @@ class AliasFollower:
                 info = self.source.resolve()
             except RegistryError as err:
                 return self._unresolved(err)
-            if self.current and info.version == self.current.version and self.current.scheduler.alive:
+            serving = self.current is not None and self.current.scheduler.alive  # a dead engine process is loaded again
+            if serving and info.version == self.current.version:
                 return "unchanged"
-            if info.version in self._refused and not retry_refused and self.current:
+            if serving and info.version in self._refused and not retry_refused:
                 return "unchanged"
             return self._swap_to(info)
 
