@@ -90,7 +90,8 @@ class _Server:
     def __init__(self, engine_dir: Path, max_batch: int | None, params_file: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [str(Path(sys.executable).parent / "kiln"), "serve", "--engine", str(engine_dir), "--params", str(params_file), "--port", str(self.port)]
+        # The interpreter running this, not a `kiln` script beside it: a checkout on PYTHONPATH has none.
+        self.command = [sys.executable, "-m", "flows.cli", "serve", "--engine", str(engine_dir), "--params", str(params_file), "--port", str(self.port)]
         if max_batch:
             self.command += ["--max-batch", str(max_batch)]
         self.log = Path(tempfile.mkstemp(prefix="kiln-bench-serve-", suffix=".log")[1])

@@ -8,6 +8,10 @@ components.gates.quality_gate. Phases (each writes a JSON under --out):
   load    cold (empty compile caches) and warm (caches kept beside the engine) loads of
           the engine `kiln bench --device cuda` built (--bench-work), each in a fresh
           process: open + warm-up until ready.
+  serve   `kiln serve --engine` on the default model's fp16 engine (its engine process
+          holds the GPU): the card, 12 concurrent greedy requests against each prompt
+          alone, a stream against the same request whole, the engine process's metrics,
+          then `kiln bench serving` on that engine (both modes).
 
 The speed table itself is `kiln bench --device cuda` (flows/bench_cuda.py).
 
@@ -110,6 +114,68 @@ def load_phase(bench_work: Path) -> dict:
     return results
 
 
+def serve_phase(kit: Path, work: Path, out: Path) -> dict:
+    import os
+    import signal
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = Path(__file__).resolve().parents[2]
+    model = kit / "model"
+    engine_dir, _ = build(model, "fp16", json.loads((model / "config.json").read_text())["n_positions"], work / "serve")
+    kiln = [sys.executable, "-c", "from flows.cli import main; main()"]
+    url = "http://127.0.0.1:8200"
+
+    def call(path: str, body: dict | None = None) -> bytes:
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode() if body else None, headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.read()
+
+    server = subprocess.Popen([*kiln, "serve", "--engine", str(engine_dir.path), "--port", "8200"], cwd=root, stdout=(out / "serve.log").open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                call("/readyz")
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kiln serve did not become ready: {(out / 'serve.log').read_text()[-3000:]}") from None
+                time.sleep(0.5)
+        card = json.loads(call("/v1/models"))["data"][0]
+        prompts = [f"{word} is" for word in ("The list", "A class", "Importing", "def", "The for", "Raise", "With", "Return", "Yield", "Assert", "The if", "Lambda")]
+
+        def complete(prompt: str) -> str:
+            body = {"model": card["id"], "prompt": prompt, "max_tokens": 24, "temperature": 0}
+            return json.loads(call("/v1/completions", body))["choices"][0]["text"]
+
+        alone = [complete(p) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(complete, prompts))
+        streamed = call("/v1/completions", {"model": card["id"], "prompt": prompts[0], "max_tokens": 24, "temperature": 0, "stream": True}).decode()
+        stream_text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines() if line.startswith("data: {"))
+        metrics = {line.split()[0]: float(line.split()[1]) for line in call("/metrics").decode().splitlines() if line.startswith(("kiln_engine_process_resident", "process_resident", "kiln_decode", "kiln_engine_load_seconds_sum"))}
+        children = [int(c) for t in Path(f"/proc/{server.pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    bench = subprocess.run([*kiln, "bench", "serving", "--engine", str(engine_dir.path), "--json", str(out / "serve_bench.json")], cwd=root, capture_output=True, text=True, timeout=400, check=False, env=os.environ)
+    result = {
+        "card": card,
+        "concurrent_equal_alone": sum(a == b for a, b in zip(alone, together, strict=True)),
+        "prompts": len(prompts),
+        "stream_equals_whole": stream_text == alone[0],
+        "sample": alone[0],
+        "child_processes": len(children),  # the engine process and multiprocessing's resource tracker
+        "metrics": metrics,
+        "server_exit": server.returncode,
+        "bench_exit": bench.returncode,
+        "bench_tail": bench.stdout[-2500:] + bench.stderr[-1500:],
+    }
+    log("serve", json.dumps(result))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("/tmp/kiln-out"))
@@ -124,7 +190,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for phase in args.phases.split(","):
         try:
-            result = {"gates": lambda: gates_phase(args.kit, args.work), "load": lambda: load_phase(args.bench_work)}[phase]()
+            phases = {"gates": lambda: gates_phase(args.kit, args.work), "load": lambda: load_phase(args.bench_work), "serve": lambda: serve_phase(args.kit, args.work, args.out)}
+            result = phases[phase]()
         except Exception as err:  # noqa: BLE001 - one phase's failure is reported (traceback and JSON); the others still run
             import traceback
 
