@@ -322,6 +322,33 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(own_engine, toke
     assert scheduler.close(timeout=5)
 
 
+def test_cancelled_sequences_in_the_waiting_line_make_room_for_new_ones(own_engine, tokenizer):
+    """Clients that left while waiting hold no place: the line takes new sequences."""
+    from serving.scheduler import Finished, QueueFull, Scheduler, Sequence
+
+    scheduler = Scheduler(own_engine, tokenizer, max_waiting=2, max_batch=1)
+    done = threading.Semaphore(0)
+
+    def sequence(new_tokens: int) -> Sequence:
+        return Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=new_tokens, stop_at_eos=False), lambda e: done.release() if isinstance(e, Finished) else None)
+
+    running, gone = sequence(100), [sequence(4), sequence(4)]
+    scheduler.submit([running])
+    deadline = time.monotonic() + 10
+    while not scheduler.running:  # admitted: the line is empty again
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    scheduler.submit(gone)  # the line is full now
+    with pytest.raises(QueueFull):
+        scheduler.submit([sequence(4)])
+    for seq in gone:
+        seq.cancel()
+    scheduler.submit([sequence(4), sequence(4)])
+    for _ in range(3):  # the long one and the two that took the abandoned places
+        assert done.acquire(timeout=30)
+    assert scheduler.close(timeout=5)
+
+
 # ---------------------------------------------------------------- bad input
 
 
