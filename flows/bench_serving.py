@@ -43,6 +43,7 @@ class ServingBenchSetup:
     prompt_tokens: int = 32
     new_tokens: int = 32
     seed: int = 0
+    rounds: int = 1  # both modes once per round, interleaved; the rows are medians over rounds
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ServingRow:
     ttft_p50_ms: float
     requests: int
     failed: int
+    rounds: int = 1  # the numbers are medians over this many rounds (requests and failed: sums)
 
 
 @dataclass(frozen=True)
@@ -66,22 +68,36 @@ class _Sample:
     ok: bool
 
 
-def serving_rows(engines: dict[str, Path], setup: ServingBenchSetup, params_file: Path, on_row=lambda row: None) -> list[ServingRow]:
-    """Two rows per engine, one-at-a-time then continuous-batching, each on a fresh server."""
+def serving_rounds(engines: dict[str, Path], setup: ServingBenchSetup, params_file: Path, on_row=lambda row: None) -> list[ServingRow]:
+    """Two rows per engine and round, one-at-a-time then continuous-batching, each on a
+    fresh server; rounds interleave the modes, so that a shared machine's slow spells fall
+    on both."""
     rows = []
     for label, engine_dir in engines.items():
         vocab = load_engine_dir(engine_dir).manifest.vocab_size
-        for mode, max_batch in MODES.items():
-            with _Server(engine_dir, max_batch, params_file) as url:
-                row = _measure(url, mode, label, vocab, setup)
-            rows.append(row)
-            on_row(row)
+        for _ in range(setup.rounds):
+            for mode, max_batch in MODES.items():
+                with _Server(engine_dir, max_batch, params_file) as url:
+                    row = _measure(url, mode, label, vocab, setup)
+                rows.append(row)
+                on_row(row)
     return rows
 
 
-def write_json(rows: list[ServingRow], setup: ServingBenchSetup, path: Path) -> None:
+def median_rows(rounds: list[ServingRow]) -> list[ServingRow]:
+    """One row per engine and mode: the median of each number over its rounds."""
+    rows = []
+    for key in dict.fromkeys((row.engine, row.name) for row in rounds):
+        mine = [row for row in rounds if (row.engine, row.name) == key]
+        median = {name: float(np.median([getattr(row, name) for row in mine])) for name in ("requests_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ttft_p50_ms")}
+        rows.append(ServingRow(name=key[1], engine=key[0], **median, requests=sum(r.requests for r in mine), failed=sum(r.failed for r in mine), rounds=len(mine)))
+    return rows
+
+
+def write_json(rows: list[ServingRow], setup: ServingBenchSetup, path: Path, rounds: list[ServingRow]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"setup": asdict(setup), "rows": [asdict(r) for r in rows]}, indent=2))
+    report = {"setup": asdict(setup), "rows": [asdict(r) for r in rows], "rounds": [asdict(r) for r in rounds]}
+    path.write_text(json.dumps(report, indent=2))
 
 
 class _Server:

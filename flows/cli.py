@@ -308,19 +308,22 @@ def bench_serving(
     seconds: Annotated[float, typer.Option(min=1, max=600, help="how long each row drives its server")] = 10.0,
     prompt_tokens: Annotated[int, typer.Option(min=1)] = 32,
     new_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    rounds: Annotated[int, typer.Option(min=1, max=20, help="both modes once per round, interleaved; rows are medians")] = 1,
 ) -> None:
     """The server under concurrent clients: continuous batching vs one request at a time."""
     root = Path.cwd()
     _prepare_environment(root)
     from flows import bench_serving as bs
 
-    setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens)
+    setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
     with _one_line_errors():
         engines = _serving_bench_engines(root, params_file, engine or [], gpt2_small)
-        rows = bs.serving_rows(engines, setup, params_file.resolve(), on_row=lambda row: render.console.print(f"  {row.engine}: {row.name} done"))
-    render.serving_rows(rows, setup)
+        done = lambda row: render.console.print(f"  {row.engine}: {row.name} done ({row.tokens_per_s:,.0f} tokens/s)")  # noqa: E731
+        every_round = bs.serving_rounds(engines, setup, params_file.resolve(), on_row=done)
+    rows = bs.median_rows(every_round)
+    render.serving_rows(rows, setup, every_round)
     if json_path is not None:
-        bs.write_json(rows, setup, json_path)
+        bs.write_json(rows, setup, json_path, every_round)
         render.console.print(f"rows written to {json_path}")
 
 

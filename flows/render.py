@@ -94,16 +94,18 @@ def bench_rows(rows, setup, shape: str, batch: int = 1) -> None:
     console.print(table)
 
 
-def serving_rows(rows, setup) -> None:
+def serving_rows(rows, setup, every_round) -> None:
     """One table per engine (its name in the title, so the rows fit an 80-column terminal or
-    CI log); the ratio is tokens/s against that engine's one-at-a-time row."""
+    CI log); the ratio is tokens/s against that engine's one-at-a-time row. With several
+    rounds the rows are medians, and the caption gives each round's own ratio."""
     for engine in dict.fromkeys(row.engine for row in rows):
         mine = [row for row in rows if row.engine == engine]
         baseline = next((row.tokens_per_s for row in mine if row.name == "one-at-a-time"), float("nan"))
         requests = ", ".join(f"{row.name} {row.requests} requests ({row.failed} failed)" for row in mine)
+        rounds = f"medians of {setup.rounds} rounds (ratio by round: {_round_ratios(every_round, engine)}); " if setup.rounds > 1 else ""
         table = Table(
             title=f"kiln serve {engine}: {setup.clients} clients, {setup.prompt_tokens} + {setup.new_tokens} tokens, {setup.seconds:.0f} s per row",
-            caption=f"{requests}; latencies of whole requests; TTFT: median time to first token",
+            caption=f"{rounds}{requests}; latencies of whole requests; TTFT: median time to first token",
         )
         for column in ("mode", "req/s", "tok/s", "ratio", "p50 ms", "p99 ms", "TTFT ms"):
             table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
@@ -113,6 +115,14 @@ def serving_rows(rows, setup) -> None:
                 f"{row.p50_ms:.0f}", f"{row.p99_ms:.0f}", f"{row.ttft_p50_ms:.0f}",
             )  # fmt: skip
         console.print(table)
+
+
+def _round_ratios(every_round, engine: str) -> str:
+    """Continuous batching over one-at-a-time, round by round (the rows alternate)."""
+    mine = [row for row in every_round if row.engine == engine]
+    one = [row.tokens_per_s for row in mine if row.name == "one-at-a-time"]
+    batched = [row.tokens_per_s for row in mine if row.name == "continuous-batching"]
+    return ", ".join(f"{b / o:.2f}×" for o, b in zip(one, batched, strict=True))
 
 
 def backend_statuses(statuses) -> None:

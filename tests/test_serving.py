@@ -605,7 +605,7 @@ def test_kiln_serve_with_no_version_behind_the_alias_says_how_to_get_one_and_exi
 def test_kiln_bench_serving_measures_both_modes_on_one_engine_and_writes_json(tmp_path, engine_dir):
     (tmp_path / "params.yaml").write_text("{}\n")  # the defaults
     command = [str(Path(sys.executable).parent / "kiln"), "bench", "serving", "--engine", str(engine_dir.path),
-               "--clients", "4", "--seconds", "1", "--prompt-tokens", "8", "--new-tokens", "8", "--json", str(tmp_path / "serving.json")]  # fmt: skip
+               "--clients", "4", "--seconds", "1", "--prompt-tokens", "8", "--new-tokens", "8", "--rounds", "2", "--json", str(tmp_path / "serving.json")]  # fmt: skip
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "one-at-a-time" in result.stdout and "continuous-batching" in result.stdout
@@ -615,7 +615,14 @@ def test_kiln_bench_serving_measures_both_modes_on_one_engine_and_writes_json(tm
         assert row["failed"] == 0 and row["requests"] >= 4
         assert row["tokens_per_s"] == pytest.approx(row["requests_per_s"] * 8, rel=1e-6)  # ignore_eos: 8 tokens each
         assert 0 < row["ttft_p50_ms"] <= row["p50_ms"] <= row["p99_ms"]
-    assert set(report["rows"][0]) == {"name", "engine", "requests_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ttft_p50_ms", "requests", "failed"}
+    assert set(report["rows"][0]) == {"name", "engine", "requests_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ttft_p50_ms", "requests", "failed", "rounds"}
+    # two rounds, the modes interleaved; each row is the median of its mode's rounds
+    assert [row["name"] for row in report["rounds"]] == ["one-at-a-time", "continuous-batching"] * 2
+    for row in report["rows"]:
+        mine = [r for r in report["rounds"] if r["name"] == row["name"]]
+        assert row["rounds"] == 2 and row["requests"] == sum(r["requests"] for r in mine)
+        assert row["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in mine) / 2)
+    assert "ratio by round" in result.stdout
 
 
 def test_the_loader_keeps_only_the_last_few_pulled_versions_and_never_the_served_one(store, tmp_path):
