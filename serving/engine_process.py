@@ -29,6 +29,7 @@ are refused with `EngineLost`, and `on_lost` tells the follower to load the vers
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import signal
@@ -105,7 +106,7 @@ class EngineProcess:
             self.limits.check_fits(len(seq.prompt), seq.sampling.max_new_tokens)
         with self._lock:
             if self._closing:
-                raise (EngineLost if not self._process.is_alive() else SchedulerClosed)(self._closed_reason())
+                raise self._closed_error()
             # Those not in the running batch at the child's last turn are waiting, as in the
             # Scheduler's own count: new sequences wait until the next turn admits them.
             waiting = max(0, len(self._live) - self._running)
@@ -150,17 +151,14 @@ class EngineProcess:
     # ------------------------------------------------------------ this side of the pipes
 
     def _wait_until_warm(self, pulled: PulledVersion) -> None:
-        while not self._events.poll(_LOAD_POLL_S):
-            if not self._process.is_alive():
-                raise VersionRefused(f"{pulled.label} is refused: its engine process exited with code {self._process.exitcode} while loading")
-        try:
+        answer = None
+        while self._process.is_alive() and not self._events.poll(_LOAD_POLL_S):
+            pass
+        with contextlib.suppress(EOFError):  # it died with nothing said
             answer = self._events.recv()
-        except EOFError:  # it died with nothing said
+        if answer is None or answer[0] != "ready":
             self._process.join(5)
-            answer = ("refused", f"{pulled.label} is refused: its engine process exited with code {self._process.exitcode} while loading")
-        if answer[0] != "ready":
-            self._process.join(5)
-            raise VersionRefused(answer[1])
+            raise VersionRefused(answer[1] if answer else f"{pulled.label} is refused: its engine process exited with code {self._process.exitcode} while loading")
 
     def _cancel(self, sid: int) -> None:
         with self._lock:
@@ -180,8 +178,11 @@ class EngineProcess:
                 running, waiting, decoded, items = self._events.recv()
             except (EOFError, OSError):
                 break
-            for item in items:
-                self._apply(item)
+            with self._lock:  # once per turn, not per token: each item's sequence, a finished one leaving
+                targets = [(item, self._live.get(item[1]) if item[0] == DELTA else self._live.pop(item[1], None)) for item in items]
+            for item, seq in targets:
+                if seq is not None:  # None: cancelled here, its client has gone
+                    self._apply(item, seq)
             self._running, self._waiting = running, waiting
             self._observe(running, waiting, decoded)
         self._process.join(10)  # its end of the pipe is closed: it has exited or is exiting
@@ -195,12 +196,8 @@ class EngineProcess:
                 seq.emit(Failed(f"the engine process exited with code {self._process.exitcode}"))
             self._on_lost()
 
-    def _apply(self, item: tuple) -> None:
-        kind, sid = item[0], item[1]
-        with self._lock:
-            seq = self._live.get(sid) if kind == DELTA else self._live.pop(sid, None)
-        if seq is None:  # cancelled here: its client has gone
-            return
+    def _apply(self, item: tuple, seq: Sequence) -> None:
+        kind = item[0]
         if kind == FAILED:
             seq.emit(Failed(item[2]))
             return
@@ -212,10 +209,10 @@ class EngineProcess:
             reason, seq.text = rest
             seq.emit(Finished(reason, len(seq.prompt), len(seq.generated)))
 
-    def _closed_reason(self) -> str:
+    def _closed_error(self) -> SchedulerClosed:
         if self._process.is_alive():
-            return "this engine is being swapped out"
-        return f"the engine process exited with code {self._process.exitcode}; the server is loading it again"
+            return SchedulerClosed("this engine is being swapped out")
+        return EngineLost(f"the engine process exited with code {self._process.exitcode}; the server is loading it again")
 
 
 # ---------------------------------------------------------------- the child process
