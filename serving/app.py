@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,6 +25,7 @@ from serving.follow import AliasFollower, NothingToServe, ServedEngine
 from serving.handlers import ApiError
 from serving.metrics import ServerMetrics
 from serving.schemas import ErrorBody, ErrorDetail
+from serving.sse import EventStream
 from serving.sources import EngineSource
 from serving.webhooks import WebhookRejected, verified_alias_event
 
@@ -144,7 +145,7 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
             raise
         headers = {VERSION_HEADER: engine.version}
         if completion.stream:
-            return StreamingResponse(_streamed(engine, job, metrics), media_type="text/event-stream", headers=headers)
+            return EventStream(_streamed(engine, job, metrics), headers=headers)
         try:
             body = await handlers.complete(engine, job)
         except ApiError as err:

@@ -138,6 +138,17 @@ def test_a_raw_stream_ends_with_done(server):
     assert all(e.startswith("data: ") for e in events)
 
 
+@pytest.mark.parametrize("text", ["plain", 'quote " backslash \\ newline \n tab \t', "é 漢字 😀", "\u2028 \x00 \x1f"])
+def test_a_streamed_delta_chunk_is_the_json_of_the_whole_chunk(text):
+    """Delta chunks are put together from a prefix and the encoded text (the hot path);
+    they must stay byte for byte what json.dumps of the chunk gives."""
+    from serving.handlers import _ChunkWriter
+
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": 'model "x"'}
+    chunk["choices"] = [{"index": 2, "text": text, "logprobs": None, "finish_reason": None}]
+    assert _ChunkWriter("cmpl-1", 7, 'model "x"').delta(2, text) == f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
 def test_models_lists_the_served_version_with_its_precision_backend_and_sha256(server, store, engine_dir):
     response = httpx.get(f"{server.url}/v1/models")
     (card,) = response.json()["data"]
