@@ -29,6 +29,16 @@ from components.runtime.sampling import Sampling, pick_each
 from components.runtime.tokenizer import EngineTokenizer
 from serving.text import TextStream
 
+# A row that finishes in a turn that also admits a waiting sequence leaves its cache as a
+# free slot, and the newcomer is written into it in place: each leaving and each joining
+# row copied the whole batch's cache before (13 % of the engine's time under 16 clients
+# that resubmit at once, benchmarks/serving_ceiling.py). Slots nobody takes in the turn
+# are compacted away at its end: a free slot would cost its share of every decode step
+# (kept for up to 8 turns, waiting for the next request of a client behind HTTP, it made
+# `kiln bench serving` slower). The columns a reused slot leaves unattended on the left
+# are dropped once there are this many.
+COMPACT_SLACK = 16
+
 
 class QueueFull(KilnError):
     """The waiting line is full; the client should retry later."""
@@ -117,7 +127,15 @@ class _Held:
 
     seq: Sequence
     text: TextStream
-    rng: np.random.Generator
+    _rng: np.random.Generator | None = None
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """Made on first use: greedy sequences never draw, and seeding one from the OS's
+        entropy takes ~10 µs, more than the rest of a sequence's submit."""
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.seq.sampling.seed)
+        return self._rng
 
 
 class Scheduler:
@@ -138,7 +156,9 @@ class Scheduler:
         self._tokenizer = tokenizer
         self._observe = observe
         self._waiting: deque[_Held] = deque()
-        self._running: list[_Held] = []
+        self._running: list[_Held | None] = []  # the batch's rows; None: a free slot
+        self._live = 0  # rows that are not free
+        self._free: set[int] = set()  # rows of finished sequences, within a turn
         self._state: DecodeState | None = None
         self._next = np.zeros(0, np.int64)  # the token each running row feeds next
         self._wake = threading.Condition()
@@ -159,7 +179,7 @@ class Scheduler:
                 self._waiting = deque(r for r in self._waiting if not r.seq.cancelled)
             if len(self._waiting) + len(sequences) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.max_waiting})")
-            self._waiting.extend(_Held(s, TextStream(self._tokenizer.stream_decoder(), s.stops), np.random.default_rng(s.sampling.seed)) for s in sequences)
+            self._waiting.extend(_Held(s, TextStream(self._tokenizer.stream_decoder(), s.stops)) for s in sequences)
             self._wake.notify()
 
     @property
@@ -168,7 +188,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return self._live
 
     def close(self, timeout: float | None = None) -> bool:
         """Take no new sequences, finish the queued and running ones, then free the engine.
@@ -187,32 +207,35 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._waiting and not self._running and not self._closing:
+                while not self._waiting and not self._live and not self._closing:
                     self._wake.wait()
-                if self._closing and not self._waiting and not self._running:
+                if self._closing and not self._waiting and not self._live:
                     return
             decoded = 0
             try:
                 decoded = self._turn()
             except Exception as err:  # an engine failure ends the sequences it touched, not the server
                 self._fail_all(f"the engine failed: {type(err).__name__}: {err}")
-            self._observe(len(self._running), len(self._waiting), decoded)
+            self._observe(self._live, len(self._waiting), decoded)
 
     def _turn(self) -> int:
         """One decode step for the running batch, then admissions; returns the rows decoded."""
-        self._retire([row for row, r in enumerate(self._running) if r.seq.cancelled])
+        self._release([row for row, r in enumerate(self._running) if r is not None and r.seq.cancelled])
+        self._compact_if_wasteful()
         decoded = len(self._running)
         if decoded:
             logits, self._state = self.engine.decode(self._state, self._next)
-            self._advance(logits, rows=range(decoded))
+            self._advance(logits, rows=list(range(decoded)))
         admitted = self._take_waiting()
         if admitted:
             self._prefill(admitted)
+        if self._free:
+            self._compact()
         return decoded
 
     def _take_waiting(self) -> list[_Held]:
         with self._wake:
-            room = self.max_batch - len(self._running)
+            room = self.max_batch - self._live
             taken = []
             while self._waiting and len(taken) < room:
                 waiting = self._waiting.popleft()
@@ -228,14 +251,37 @@ class Scheduler:
             for r in admitted:
                 r.seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
             return
-        first = len(self._running)
-        self._running.extend(admitted)
-        self._state = state if self._state is None else self._state.joined(state)
-        self._next = np.concatenate([self._next, np.zeros(len(admitted), np.int64)])
-        self._advance(logits[:, -1], rows=range(first, len(self._running)))
+        rows = self._place(admitted, state)
+        self._live += len(admitted)
+        self._advance(logits[:, -1], rows)
 
-    def _advance(self, logits: np.ndarray, rows: range) -> None:
-        """Pick each row's next token with its own sampling; emit it; retire the finished."""
+    def _place(self, admitted: list[_Held], state: DecodeState) -> list[int]:
+        """Put the prefilled sequences in the batch: into free slots in place while there
+        are any (and the batch's cache is as wide as theirs), the rest joined at the end."""
+        if not self._live and self._state is not None:
+            self._compact()  # nothing runs: the newcomers' state is the batch, no copy
+        if self._state is None:
+            self._running, self._state, self._next = list(admitted), state, np.zeros(len(admitted), np.int64)
+            return list(range(len(admitted)))
+        if self._free and not state.past_length <= self._state.past_length:
+            self._compact()  # narrower than the newcomers: no slot can take them in place
+        free = sorted(self._free)[: len(admitted)]
+        for index, row in enumerate(free):
+            self._state.put(row, state, index)
+            self._running[row] = admitted[index]
+            self._free.discard(row)
+        joining = list(range(len(free), len(admitted)))
+        if joining:
+            first = len(self._running)
+            self._running.extend(admitted[i] for i in joining)
+            self._state = self._state.joined(state if not free else state.rows(joining))
+            self._next = np.concatenate([self._next, np.zeros(len(joining), np.int64)])
+            return free + list(range(first, len(self._running)))
+        return free
+
+    def _advance(self, logits: np.ndarray, rows: list[int]) -> None:
+        """Pick each row's next token with its own sampling (`logits`: one row each, in
+        `rows`' order); emit it; free the finished rows."""
         done = []
         running = [self._running[row] for row in rows]
         tokens = pick_each(logits, [r.seq.sampling for r in running], [r.rng for r in running])
@@ -249,7 +295,7 @@ class Scheduler:
                     r.seq.emit(Delta(rest))
                 r.seq.text = r.text.text
                 r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated)))
-        self._retire(done)
+        self._release(done)
 
     def _accept(self, r: _Held, token: int) -> str | None:
         """Add a token to the sequence; the finish reason if it ends here."""
@@ -268,20 +314,44 @@ class Scheduler:
             return "length"
         return None
 
-    def _retire(self, rows: list[int]) -> None:
-        """Drop finished or abandoned rows (and their cache) at once: their slots are free."""
+    def _release(self, rows: list[int]) -> None:
+        """Finished or abandoned rows leave at once: their slots are free for the waiting
+        sequences of this turn (in a host cache) and compacted away at its end."""
         if not rows:
             return
-        gone = set(rows)
-        keep = [i for i in range(len(self._running)) if i not in gone]
-        self._running = [self._running[i] for i in keep]
+        for row in rows:
+            self._running[row] = None
+        self._free.update(rows)
+        self._live -= len(rows)
+        if not isinstance(self._state, DecodeState):
+            self._compact()  # a device's slots (the CUDA engine's) are its own to reuse
+
+    def _compact_if_wasteful(self) -> None:
+        """Before a decode step: no free rows, and not COMPACT_SLACK columns (or the
+        profile's limit) that no running row attends to."""
+        if self._state is None:
+            return
+        if self._free or not self._live:
+            self._compact()
+            return
+        needed = max(len(r.seq.prompt) + len(r.seq.generated) for r in self._running if r is not None)
+        width = self._state.past_length
+        if width - needed >= COMPACT_SLACK or width >= self.limits.max_total - 1:
+            self._compact()
+
+    def _compact(self) -> None:
+        keep = [row for row, r in enumerate(self._running) if r is not None]
+        self._running = [self._running[row] for row in keep]
         self._next = self._next[keep]
         state = self._state.rows(keep)  # frees the dropped rows' cache (an engine's device slots too)
         self._state = state if keep else None
+        self._free.clear()
 
     def _fail_all(self, message: str) -> None:
         for r in self._running:
-            r.seq.emit(Failed(message))
+            if r is not None:
+                r.seq.emit(Failed(message))
         if self._state is not None:
             self._state.rows([])  # gives the cache back (an engine's device slots)
         self._running, self._state, self._next = [], None, np.zeros(0, np.int64)
+        self._live, self._free = 0, set()

@@ -85,6 +85,36 @@ def test_a_row_that_joins_or_leaves_a_running_batch_decodes_as_it_would_alone(en
     assert got == {name: engine.generate([prompt], greedy)[0] for name, prompt in prompts.items()}
 
 
+def test_a_row_put_into_a_finished_rows_slot_decodes_as_it_would_alone(engine, engine_dir):
+    """The scheduler's slot reuse: a short prompt written in place over a finished row of a
+    wider batch gets the logits it gets alone, step after step, and the other row its own."""
+    tokenizer = EngineTokenizer(engine_dir.path)
+    prompts = [tokenizer.encode("A function that returns the value of"), tokenizer.encode("The list of")]
+    eos = engine.manifest.eos_token_id
+    logits, state = engine.prefill(*left_pad(prompts, eos))
+    next_ids = logits[:, -1].argmax(-1)
+    for _ in range(3):  # the batch grows wider than the newcomer's prompt
+        logits, state = engine.decode(state, next_ids)
+        next_ids = logits.argmax(-1)
+    kept_logits, kept = engine.prefill(*left_pad(prompts[:1], eos))  # row 0 alone, for comparison
+    kept_ids = kept_logits[:, -1].argmax(-1)
+    for _ in range(3):
+        kept_logits, kept = engine.decode(kept, kept_ids)
+        kept_ids = kept_logits.argmax(-1)
+    alone_logits, alone = engine.prefill(*left_pad([tokenizer.encode("The")], eos))
+    state.put(1, alone, 0)  # row 1 finished; the newcomer takes its slot
+    alone_ids = alone_logits[:, -1].argmax(-1)
+    next_ids[1] = alone_ids[0]
+    for _ in range(4):
+        logits, state = engine.decode(state, next_ids)
+        alone_logits, alone = engine.decode(alone, alone_ids)
+        kept_logits, kept = engine.decode(kept, kept_ids)
+        np.testing.assert_allclose(logits[1], alone_logits[0], atol=1e-4)
+        np.testing.assert_allclose(logits[0], kept_logits[0], atol=1e-4)
+        next_ids, alone_ids, kept_ids = logits.argmax(-1), alone_logits.argmax(-1), kept_logits.argmax(-1)
+    assert state.past_length > alone.past_length  # the newcomer sat right-aligned in a wider cache
+
+
 def test_sampling_is_reproducible_for_a_seed(engine, engine_dir):
     prompt = [EngineTokenizer(engine_dir.path).encode("The")]
     sampled = [engine.generate(prompt, Sampling(max_new_tokens=16, temperature=1.5, seed=s, stop_at_eos=False))[0] for s in (1, 1, 2)]

@@ -307,6 +307,29 @@ def test_the_batch_never_exceeds_the_engines_profile_and_the_rest_wait(own_engin
     assert scheduler.close(timeout=5)
 
 
+def test_sequences_arriving_as_others_finish_each_get_the_answer_they_get_alone(own_engine, engine, tokenizer):
+    """Slots freed by finished sequences are taken in place by later ones, the batch is
+    compacted now and then, and some newcomers join at its end: through all of that every
+    sequence decodes exactly as it does alone (greedy, so the text is the proof)."""
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    words = ("The list", "A class", "Importing", "def", "The for", "Raise", "With", "Return", "Yield", "Assert", "The if", "Lambda")
+    asks = [(f"{words[i % len(words)]} {i} is" if i % 3 else words[i % len(words)], 3 + (7 * i) % 23) for i in range(30)]
+    scheduler = Scheduler(own_engine, tokenizer, max_waiting=len(asks), max_batch=4)
+    finished = threading.Semaphore(0)
+    emit = lambda event: finished.release() if isinstance(event, Finished) else None  # noqa: E731
+    sequences = []
+    for prompt, max_tokens in asks:  # a few at a time, so that most arrive while others run
+        sequences.append(Sequence(tokenizer.encode(prompt), Sampling(max_new_tokens=max_tokens, stop_at_eos=False), emit))
+        scheduler.submit(sequences[-1:])
+        time.sleep(0.002)
+    for _ in sequences:
+        assert finished.acquire(timeout=30)
+    assert scheduler.close(timeout=5)
+    alone = [engine.generate([tokenizer.encode(p)], Sampling(max_new_tokens=n, stop_at_eos=False))[0] for p, n in asks]
+    assert [s.generated for s in sequences] == alone
+
+
 def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(own_engine, tokenizer):
     """What a disconnect does (the server marks the client's sequences cancelled): the slot
     is free at once, not after max_tokens."""

@@ -42,6 +42,18 @@ class DecodeState:
             np.concatenate([self.last_position, other.last_position]),
         )
 
+    def put(self, slot: int, other: DecodeState, row: int) -> None:
+        """Row `row` of `other` into row `slot` of this batch, in place, right-aligned (a new
+        sequence taking a finished one's slot: no copy of the rest of the batch). `other`
+        must be no wider than this batch."""
+        pad = self.past_length - other.past_length
+        for mine, theirs in zip(self.cache, other.cache, strict=True):
+            mine[slot, :, :pad] = 0
+            mine[slot, :, pad:] = theirs[row]
+        self.attention_mask[slot, :pad] = 0
+        self.attention_mask[slot, pad:] = other.attention_mask[row]
+        self.last_position[slot] = other.last_position[row]
+
     def rows(self, keep: list[int]) -> DecodeState:
         """Only the rows `keep`, without the leading columns no remaining row attends to."""
         mask = self.attention_mask[keep]
@@ -53,15 +65,19 @@ class DecodeState:
 
 def _stacked_right_aligned(top: np.ndarray, bottom: np.ndarray, width: int, axis: int) -> np.ndarray:
     """`top`'s rows over `bottom`'s, each right-aligned in `width` along `axis`, zeros to the
-    left: one allocation and one copy of each (a join runs between decode steps, on the
-    server's hot path; np.pad then np.concatenate copied every cache twice)."""
+    left: one allocation, one copy of each and zeros only where they go (a join runs
+    between decode steps, on the server's hot path; np.pad then np.concatenate copied every
+    cache twice, and zero-filling the whole output first wrote it twice)."""
     shape = list(top.shape)
     shape[0], shape[axis] = len(top) + len(bottom), width
-    out = np.zeros(shape, top.dtype)
+    out = np.empty(shape, top.dtype)
     for rows, part in ((slice(0, len(top)), top), (slice(len(top), None), bottom)):
+        pad = width - part.shape[axis]
         region = [rows] + [slice(None)] * (top.ndim - 1)
-        region[axis] = slice(width - part.shape[axis], None)
+        region[axis] = slice(pad, None)
         out[tuple(region)] = part
+        region[axis] = slice(0, pad)
+        out[tuple(region)] = 0
     return out
 
 
