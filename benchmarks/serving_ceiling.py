@@ -1,8 +1,15 @@
 """How far continuous batching could go on an engine, without HTTP: the ceiling that
 `kiln bench serving`'s ratio (continuous batching over one request at a time) lives under.
 
-Two pairs of rows, each pair measured in this process, one after the other, interleaved
+Three pairs of rows, each pair measured in this process, one after the other, interleaved
 three times (medians):
+* engine steps: what a request costs in engine calls alone, nothing else (no scheduler,
+  no Python of ours between calls) — one at a time: its one-row prefill, then its decode
+  steps at batch 1; continuously batched: its one-row prefill (arrivals are staggered, so
+  each is prefilled alone), then a 16th of each 16-row decode step as wide as a staggered
+  batch's oldest row. The ceiling of `kiln bench serving`'s ratio on this engine: the
+  prefill is not shared, so it weighs on the batched request, and the batched step is
+  wider than a lone row's.
 * engine alone: `Engine.generate` of 16 prompts at once vs one, prompt + new tokens as
   `kiln bench serving` asks, greedy, every row to full length. The best case for batching:
   all rows start and end together, no scheduler, no padding between rows of other ages.
@@ -25,10 +32,12 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from components.runtime import load_engine
+from components.runtime.engine import left_pad
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from flows.bench import random_prompts
@@ -48,6 +57,43 @@ def engine_alone(engine, prompts: list[list[int]], rows: int) -> float:
         engine.generate(prompts[:rows], sampling)
         times.append(time.perf_counter() - started)
     return rows * NEW_TOKENS / statistics.median(times)
+
+
+def engine_steps(engine, prompts: list[list[int]]) -> tuple[float, float]:
+    """Tokens/s one at a time and continuously batched if each request cost only its engine
+    calls (see the module docstring). The two are timed call by call in alternation, each
+    the median of several calls: this machine's speed drifts by tens of percent."""
+    eos = engine.manifest.eos_token_id
+    one, batch = (engine.prefill(*left_pad(prompts[:rows], eos))[1] for rows in (1, CLIENTS))
+    prefill, single, batched = [], [], []
+    for _width in range(NEW_TOKENS - 1):  # widths PROMPT_TOKENS .. PROMPT_TOKENS + NEW_TOKENS - 2
+        times: dict[str, list[float]] = {"prefill": [], "single": [], "batched": []}
+        for _ in range(7):
+            for name, call in (
+                ("prefill", lambda: engine.prefill(*left_pad(prompts[:1], eos))),
+                ("single", lambda one=one: engine.decode(one, np.zeros(1, np.int64))),
+                ("batched", lambda batch=batch: engine.decode(batch, np.zeros(CLIENTS, np.int64))),
+            ):
+                started = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - started)
+        prefill.append(statistics.median(times["prefill"]))
+        single.append(statistics.median(times["single"]))
+        batched.append(statistics.median(times["batched"]))
+        one = engine.decode(one, np.zeros(1, np.int64))[1]
+        batch = engine.decode(batch, np.zeros(CLIENTS, np.int64))[1]
+    # A step's time is linear in the cache's width: read both off fitted lines, not off
+    # single noisy points. One at a time: the row's own widths. Batched: every step as wide
+    # as a staggered batch's oldest row (the widest), a 16th of it for this request.
+    widths = np.arange(NEW_TOKENS - 1)
+
+    def fit(seconds: list[float]) -> np.ndarray:
+        return np.polyval(np.polyfit(widths, seconds, 1), widths)
+
+    first = statistics.median(prefill)
+    alone = first + float(fit(single).sum())
+    shared = first + (NEW_TOKENS - 1) * float(fit(batched)[-1]) / CLIENTS
+    return NEW_TOKENS / alone, NEW_TOKENS / shared
 
 
 def scheduler_alone(engine_dir: Path, threads: int, prompts: list[list[int]], max_batch: int, seconds: float, staggered: bool = False) -> float:
@@ -86,8 +132,12 @@ def main() -> None:
     engine = load_engine(args.engine, threads=args.threads)
     prompts = random_prompts(64, PROMPT_TOKENS, engine.manifest.vocab_size, seed=0)
     staggered = f"scheduler, batch {CLIENTS}, staggered"
-    rows: dict[str, list[float]] = {name: [] for name in ("engine, 1 row", f"engine, {CLIENTS} rows", "scheduler, batch 1", f"scheduler, batch {CLIENTS}", staggered)}
+    names = ("engine steps, 1 row", f"engine steps, {CLIENTS} rows, staggered", "engine, 1 row", f"engine, {CLIENTS} rows", "scheduler, batch 1", f"scheduler, batch {CLIENTS}", staggered)
+    rows: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(3):
+        alone, shared = engine_steps(engine, prompts)
+        rows["engine steps, 1 row"].append(alone)
+        rows[f"engine steps, {CLIENTS} rows, staggered"].append(shared)
         rows["engine, 1 row"].append(engine_alone(engine, prompts, 1))
         rows[f"engine, {CLIENTS} rows"].append(engine_alone(engine, prompts, CLIENTS))
         rows["scheduler, batch 1"].append(scheduler_alone(args.engine, args.threads, prompts, 1, args.seconds))
@@ -98,7 +148,7 @@ def main() -> None:
     for column in ("row", "tokens/s", "vs its one-at-a-time row"):
         table.add_column(column, justify="left" if column == "row" else "right")
     for name, rate in medians.items():
-        baseline = medians["engine, 1 row"] if name.startswith("engine") else medians["scheduler, batch 1"]
+        baseline = medians[next(first for first in medians if first.split(",")[0] == name.split(",")[0])]
         table.add_row(name, f"{rate:,.0f}", f"{rate / baseline:.2f}×")
     Console().print(table)
 

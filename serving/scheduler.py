@@ -263,7 +263,7 @@ class Scheduler:
         if self._state is None:
             self._running, self._state, self._next = list(admitted), state, np.zeros(len(admitted), np.int64)
             return list(range(len(admitted)))
-        if self._free and not state.past_length <= self._state.past_length:
+        if self._free and state.past_length > self._state.past_length:
             self._compact()  # narrower than the newcomers: no slot can take them in place
         free = sorted(self._free)[: len(admitted)]
         for index, row in enumerate(free):
