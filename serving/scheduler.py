@@ -334,6 +334,8 @@ class Scheduler:
         if self._free or not self._live:
             self._compact()
             return
+        if not isinstance(self._state, DecodeState):  # a device's slots hold no columns to spare
+            return
         needed = max(len(r.seq.prompt) + len(r.seq.generated) for r in self._running if r is not None)
         width = self._state.past_length
         if width - needed >= COMPACT_SLACK or width >= self.limits.max_total - 1:
