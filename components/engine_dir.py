@@ -82,7 +82,13 @@ class EngineManifest(_Frozen):
 
     @property
     def past_names(self) -> list[str]:
-        return self.inputs[3:]
+        return [name for name in self.inputs if name.startswith("past_key_values.")]
+
+    @property
+    def takes_logits_positions(self) -> bool:
+        """Whether the graph computes logits only where asked (components.export's
+        LOGITS_POSITIONS); engines exported before it compute them everywhere."""
+        return "logits_positions" in self.inputs
 
     @property
     def profiles_sha256(self) -> str:

@@ -19,14 +19,14 @@ import numpy as np
 from components.calibrate import CalibrationSet
 from components.config import Fp16Params, Int8Params, PrecisionParams, section_digest
 from components.errors import BuildError
-from components.export import ExportedOnnx
+from components.export import LOGITS_POSITIONS, ExportedOnnx
 from components.files import file_sha256, stage_output
 from components.progress import stage_progress
 
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "3"
+STAGE_VERSION = "4"  # 4: calibration feeds name the logits positions
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,8 @@ class CalibrationFeeds:
     def _prompt_feeds(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
         layout = self._layout
         empty = np.zeros((1, layout.num_heads, 0, layout.head_dim), np.float32)
-        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None]}
+        every = np.arange(ids.shape[1], dtype=np.int64)  # the LM head calibrated over every position, as scoring uses it
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": every[None], LOGITS_POSITIONS: every}
         feeds = [feed | {name: empty for name in layout.past_names}]
         for _ in range(self._per_prompt - 1):
             logits, *present = self._session.run(None, feeds[-1])
@@ -133,6 +134,7 @@ class CalibrationFeeds:
                     "input_ids": logits[:, -1:].argmax(-1).astype(np.int64),
                     "attention_mask": np.ones((1, int(position[0, 0]) + 1), np.int64),
                     "position_ids": position,
+                    LOGITS_POSITIONS: np.zeros(1, np.int64),
                 }
                 | dict(zip(layout.past_names, present))
             )

@@ -240,8 +240,8 @@ class EosAfter(Engine):
         self.inner, self.after, self.calls = inner, after, 0
         self.token = self.manifest.eos_token_id if token is None else token
 
-    def forward(self, input_ids, attention_mask, position_ids, cache):
-        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache)
+    def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
+        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache, logits_positions)
         self.calls += 1
         if self.calls > self.after:
             logits = logits.copy()

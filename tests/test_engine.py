@@ -163,12 +163,51 @@ def test_a_malformed_engine_json_is_named(tmp_path, engine_dir):
         load_engine_dir(copy)
 
 
-def test_prefill_logits_match_pytorch(engine, reference):
+def test_scored_and_prefilled_logits_match_pytorch(engine, reference):
+    """Scoring (the gates) gets every position's logits; a prefill (generation) computes
+    the last position's only, and they are the same numbers."""
     ids = np.arange(1, 17, dtype=np.int64).reshape(2, 8)
-    logits, _ = engine.prefill(ids, np.ones_like(ids))
+    scored = engine.score(ids, np.ones_like(ids))
+    prefilled, _ = engine.prefill(ids, np.ones_like(ids))
     with torch.no_grad():
         expected = reference(input_ids=torch.from_numpy(ids)).logits.numpy()
-    assert np.abs(logits - expected).max() < 1e-4
+    assert np.abs(scored - expected).max() < 1e-4
+    assert prefilled.shape == (2, 1, expected.shape[-1])
+    assert np.abs(prefilled[:, 0] - expected[:, -1]).max() < 1e-4
+
+
+def test_an_engine_exported_before_logits_positions_still_generates_and_scores_alike(tmp_path, engine, engine_dir):
+    """Engines already in a registry have no `logits_positions` input and compute every
+    position's logits: the runtime feeds them without it and keeps the last position."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(engine_dir.engine_file))
+    model.graph.input.remove(next(i for i in model.graph.input if i.name == "logits_positions"))
+    every_position = [  # what the older graph computed: logits at 0 .. sequence - 1
+        helper.make_node("Shape", ["input_ids"], ["old_shape"], start=1, end=2),
+        helper.make_node("Squeeze", ["old_shape"], ["old_length"]),
+        helper.make_node("Constant", [], ["old_zero"], value=helper.make_tensor("z", onnx.TensorProto.INT64, [], [0])),
+        helper.make_node("Constant", [], ["old_one"], value=helper.make_tensor("o", onnx.TensorProto.INT64, [], [1])),
+        helper.make_node("Range", ["old_zero", "old_length", "old_one"], ["logits_positions"]),
+    ]
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(every_position + nodes)
+    old = tmp_path / "old-engine"
+    shutil.copytree(engine_dir.path, old)
+    onnx.save(model, str(old / engine_dir.manifest.engine_file))
+    manifest = json.loads((old / "engine.json").read_text())
+    manifest["inputs"].remove("logits_positions")
+    manifest["engine_sha256"] = file_sha256(old / engine_dir.manifest.engine_file)
+    (old / "engine.json").write_text(json.dumps(manifest))
+    older = load_engine(old)
+    assert not older.manifest.takes_logits_positions
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [1, 2, 3]], engine.manifest.eos_token_id)
+    assert older.prefill(ids, mask)[0].shape == engine.prefill(ids, mask)[0].shape == (2, 1, engine.manifest.vocab_size)
+    np.testing.assert_allclose(older.score(ids, mask), engine.score(ids, mask), atol=1e-5)
+    greedy = Sampling(max_new_tokens=8, stop_at_eos=False)
+    assert older.generate([[5, 6, 7, 8, 9], [1, 2, 3]], greedy) == engine.generate([[5, 6, 7, 8, 9], [1, 2, 3]], greedy)
 
 
 def test_a_batch_larger_than_the_profile_is_refused_with_the_limit(engine):

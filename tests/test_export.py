@@ -15,8 +15,8 @@ def test_the_graph_takes_and_returns_the_kv_cache(exported):
     inputs = [i.name for i in graph.input]
     outputs = [o.name for o in graph.output]
     layers = exported.layout.num_layers
-    assert inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
-    assert inputs[3:] == [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    assert inputs[:4] == ["input_ids", "attention_mask", "position_ids", "logits_positions"]
+    assert inputs[4:] == [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     assert outputs == ["logits"] + [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
 
 
@@ -83,7 +83,11 @@ def test_the_exported_graph_matches_pytorch_on_inputs_the_parity_check_never_saw
     ids = np.array([[7, 3, 99, 250, 12, 5, 60, 61, 62, 63, 64]], np.int64)
     empty = np.zeros((1, exported.layout.num_heads, 0, exported.layout.head_dim), np.float32)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
-    logits = session.run(["logits"], feeds | {name: empty for name in exported.layout.past_names})[0]
+    feeds |= {name: empty for name in exported.layout.past_names}
+    logits = session.run(["logits"], feeds | {"logits_positions": np.arange(ids.shape[1])})[0]
+    last = session.run(["logits"], feeds | {"logits_positions": np.array([ids.shape[1] - 1])})[0]
     with torch.no_grad():
         expected = reference(input_ids=torch.from_numpy(ids)).logits.numpy()
     assert np.abs(logits - expected).max() < 1e-4
+    assert last.shape == (1, 1, expected.shape[-1])  # a prefill computes the last position's logits only
+    assert np.abs(last[:, 0] - expected[:, -1]).max() < 1e-4

@@ -45,8 +45,8 @@ class FlattenedEngine(Engine):
         super().__init__(inner.engine_dir)
         self.inner, self.scale = inner, scale
 
-    def forward(self, input_ids, attention_mask, position_ids, cache):
-        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache)
+    def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
+        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache, logits_positions)
         return logits * self.scale, present
 
 

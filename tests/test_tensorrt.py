@@ -39,6 +39,9 @@ def test_two_profiles_context_with_empty_past_and_generation_with_one_token(plan
     assert {shape[1] for shape in generation["input_ids"]} == {1}
     key = generation["past_key_values.0.key"]
     assert [s[2] for s in key] == [max(total.min - 1, 1), total.opt - 1, total.max - 1]
+    # logits for a prefill's last position (and the opt shape it is built for) up to scoring's every position
+    assert context["logits_positions"] == ((1,), (1,), (prompt.max,))
+    assert generation["logits_positions"] == ((1,), (1,), (1,))
 
 
 def test_every_input_of_a_profile_has_consistent_ranges(plan):

@@ -65,7 +65,8 @@ def profile_shapes(layout, phase: ShapeProfile) -> dict[str, tuple[Shape, Shape,
         new = getattr(phase.sequence, which)
         past = getattr(phase.past, which)
         kv = (batch, layout.num_heads, past, layout.head_dim)
-        return {"input_ids": (batch, new), "attention_mask": (batch, past + new), "position_ids": (batch, new)} | {
+        kept = new if which == "max" else 1  # whose logits are computed: a prefill's last position, up to scoring's every one
+        return {"input_ids": (batch, new), "attention_mask": (batch, past + new), "position_ids": (batch, new), "logits_positions": (kept,)} | {
             name: kv for name in layout.past_names
         }
 

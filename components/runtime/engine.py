@@ -81,6 +81,9 @@ def _stacked_right_aligned(top: np.ndarray, bottom: np.ndarray, width: int, axis
     return out
 
 
+_ONLY_POSITION = np.zeros(1, np.int64)  # a decode step's one new position
+
+
 class Engine(ABC):
     """A loaded engine. Use it as a context manager (or call `close`) to free what the
     backend holds: a session, device buffers, streams."""
@@ -100,30 +103,41 @@ class Engine(ABC):
 
     @abstractmethod
     def forward(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: list[np.ndarray]
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        cache: list[np.ndarray],
+        logits_positions: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One call of the graph: logits (batch, sequence, vocab) and the grown cache."""
+        """One call of the graph: logits (batch, kept positions, vocab) and the grown cache.
+        `logits_positions`: the sequence positions whose logits are wanted (None: all);
+        a graph without that input (exported before it) returns all of them."""
 
     # ------------------------------------------------------------ phases
 
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, DecodeState]:
-        """Context phase on left-padded prompts; returns all logits and the decode state."""
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, every_position: bool = False) -> tuple[np.ndarray, DecodeState]:
+        """Context phase on left-padded prompts; returns the last position's logits (batch,
+        1, vocab), or every position's, and the decode state."""
         self._check_context(input_ids.shape)
         positions = np.clip(attention_mask.cumsum(-1) - 1, 0, None).astype(np.int64)
-        logits, cache = self.forward(input_ids, attention_mask, positions, self._empty_cache(len(input_ids)))
+        kept = None if every_position else np.array([input_ids.shape[1] - 1], np.int64)
+        logits, cache = self.forward(input_ids, attention_mask, positions, self._empty_cache(len(input_ids)), kept)
+        if not every_position and logits.shape[1] > 1:  # a graph that computes every position
+            logits = logits[:, -1:]
         return logits, DecodeState(cache, attention_mask, positions[:, -1:])
 
     def score(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Every position's logits (batch, sequence, vocab) of left-padded rows: what the
         quality gates compare with the PyTorch model."""
-        return self.prefill(input_ids, attention_mask)[0]
+        return self.prefill(input_ids, attention_mask, every_position=True)[0]
 
     def decode(self, state: DecodeState, next_ids: np.ndarray) -> tuple[np.ndarray, DecodeState]:
         """Generation phase: one new token per row; returns its logits (batch, vocab)."""
         self._check_generation(len(next_ids), state.past_length)
         mask = np.concatenate([state.attention_mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
         positions = state.last_position + 1
-        logits, cache = self.forward(next_ids.reshape(-1, 1).astype(np.int64), mask, positions, state.cache)
+        logits, cache = self.forward(next_ids.reshape(-1, 1).astype(np.int64), mask, positions, state.cache, _ONLY_POSITION)
         return logits[:, -1], DecodeState(cache, mask, positions)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
@@ -178,6 +192,11 @@ class Engine(ABC):
         limit = self.manifest.profiles["generation"].past.max + 1
         if total > limit:
             raise ShapeOutOfProfile(f"prompt plus max_tokens is {total} tokens; the engine's profile allows {limit}")
+
+
+def every_position(input_ids: np.ndarray) -> np.ndarray:
+    """`logits_positions` asking for the logits of every position of `input_ids`."""
+    return np.arange(input_ids.shape[1], dtype=np.int64)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

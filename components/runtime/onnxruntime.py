@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from components.engine_dir import EngineDir
 from components.errors import EngineError
-from components.runtime.engine import Engine
+from components.runtime.engine import Engine, every_position
 
 # ORT can fuse a quantized MatMul + Add into a float Gemm with no int8 kernel, dequantizing
 # the weights on every step (slower than fp32). kiln's export emits Gemm for linear layers,
@@ -33,8 +33,10 @@ class OrtEngine(Engine):
         except Exception as err:  # ORT raises its own Fail/InvalidGraph types
             raise EngineError(f"ONNX Runtime cannot load {engine_dir.engine_file}: {err}") from err
 
-    def forward(self, input_ids, attention_mask, position_ids, cache):
+    def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if self.manifest.takes_logits_positions:
+            feeds["logits_positions"] = every_position(input_ids) if logits_positions is None else logits_positions
         feeds |= dict(zip(self.manifest.past_names, cache))
         logits, *present = self.session.run(None, feeds)
         return logits, present

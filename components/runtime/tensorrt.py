@@ -16,7 +16,7 @@ import numpy as np
 
 from components.engine_dir import EngineDir, EngineManifest
 from components.errors import BackendUnavailable, EngineError
-from components.runtime.engine import Engine
+from components.runtime.engine import Engine, every_position
 
 # cudaDeviceAttr values of the CUDA runtime API (stable since CUDA 2.x).
 _COMPUTE_CAPABILITY_MAJOR, _COMPUTE_CAPABILITY_MINOR = 75, 76
@@ -87,13 +87,15 @@ class TrtEngine(Engine):
         self._stream = cuda.Stream()
         self._dtypes = {name: self._engine.get_tensor_dtype(name) for name in self.manifest.inputs + self.manifest.outputs}
 
-    def forward(self, input_ids, attention_mask, position_ids, cache):
+    def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
         from polygraphy.datatype import DataType
 
         cuda = self._cuda
         profile = self.CONTEXT if cache[0].shape[2] == 0 else self.GENERATION
         self._context.set_optimization_profile_async(profile, self._stream.ptr)
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if self.manifest.takes_logits_positions:
+            feeds["logits_positions"] = every_position(input_ids) if logits_positions is None else logits_positions
         feeds |= dict(zip(self.manifest.past_names, cache))
         staged, hosts = [], []  # host inputs copied to the device for this step only
         for name, value in feeds.items():

@@ -106,13 +106,16 @@ class TorchCudaEngine(Engine):
             logits = runner.model(ids, positions, bias, picked, runner.k_cache, runner.v_cache)
         return logits.float().cpu().numpy()
 
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, SlotState]:
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, every_position: bool = False) -> tuple[np.ndarray, SlotState]:
         """Left-padded prompts into the next free slots; the logits of each row's last token,
-        (batch, 1, vocab), and their state (join it to the running one: `state.joined`)."""
+        (batch, 1, vocab), and their state (join it to the running one: `state.joined`).
+        Every position's logits come from `score`, which holds no slot."""
         import torch
 
         from components.runtime.static_kv import causal_bias
 
+        if every_position:
+            raise EngineError("a torch-cuda prefill gives the last position's logits; `score` gives every position's")
         self._check_context(input_ids.shape)
         runner, (B, P), held = self.runner, input_ids.shape, self._held
         if held + B > runner.S:
@@ -138,7 +141,7 @@ class TorchCudaEngine(Engine):
         logits = self._step(next_ids.tolist(), state.lengths.tolist())
         return logits.numpy(), SlotState(self, state.slots, state.lengths + 1)
 
-    def forward(self, input_ids, attention_mask, position_ids, cache):
+    def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
         raise EngineError("torch-cuda engines keep their KV cache on the device: use prefill and decode (slots), score or generate")
 
     def _check_no_slots_held(self, what: str) -> None:
