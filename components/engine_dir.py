@@ -17,6 +17,9 @@ from components.files import file_sha256, text_sha256
 MANIFEST = "engine.json"
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# The graph input naming the positions (shared by every row) whose logits it computes: a
+# prefill needs the last one only, scoring every one (components.export).
+LOGITS_POSITIONS = "logits_positions"
 
 
 class _Frozen(BaseModel):
@@ -88,7 +91,7 @@ class EngineManifest(_Frozen):
     def takes_logits_positions(self) -> bool:
         """Whether the graph computes logits only where asked (components.export's
         LOGITS_POSITIONS); engines exported before it compute them everywhere."""
-        return "logits_positions" in self.inputs
+        return LOGITS_POSITIONS in self.inputs
 
     @property
     def profiles_sha256(self) -> str:

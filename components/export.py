@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.config import ExportParams, section_digest
+from components.engine_dir import LOGITS_POSITIONS
 from components.errors import ExportError
 from components.files import file_sha256, stage_output
 from components.model_dir import TrainedModel, load_model
@@ -19,12 +20,6 @@ if TYPE_CHECKING:
     import onnx_ir
 
 ONNX_FILE = "model.onnx"
-# The positions (shared by every row) whose logits the graph computes: a prefill needs the
-# last one only, scoring needs all. The LM head is the widest matmul of a small model, so
-# computing it for 32 prompt positions to keep one made a one-row prefill of the default
-# int8 engine 0.57 ms instead of 0.47 (and GPT-2's 50k-word head far worse). It is
-# transformers' `logits_to_keep`, as a tensor.
-LOGITS_POSITIONS = "logits_positions"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
 STAGE_VERSION = "3"  # 3: the logits_positions input
@@ -115,7 +110,10 @@ def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -
 
 def _kv_wrapper(model):
     """transformers 5 takes the cache as a DynamicCache; ONNX wants flat tensors in and out.
-    The logits are the LM head over the hidden states at `logits_positions` (what the model's
+    The LM head is the widest matmul of a small model, and a prefill wants one position's
+    logits of its prompt's 32 (a one-row prefill of the default int8 engine: 0.73 ms with
+    every position's, 0.60 with the last's; GPT-2's 50k-word head weighs far more). So the
+    logits are the LM head over the hidden states at `logits_positions` (what the model's
     own forward does with `logits_to_keep`), selected with index_select: one Gather in the
     graph. transformers' tensor indexing exported as Transpose + GatherND + Transpose, which
     ONNX Runtime 1.32's full optimizations crash on (a segmentation fault loading the fp16 graph)."""

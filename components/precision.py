@@ -18,8 +18,9 @@ import numpy as np
 
 from components.calibrate import CalibrationSet
 from components.config import Fp16Params, Int8Params, PrecisionParams, section_digest
+from components.engine_dir import LOGITS_POSITIONS
 from components.errors import BuildError
-from components.export import LOGITS_POSITIONS, ExportedOnnx
+from components.export import ExportedOnnx
 from components.files import file_sha256, stage_output
 from components.progress import stage_progress
 

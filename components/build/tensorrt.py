@@ -18,7 +18,7 @@ from pathlib import Path
 
 from components.build.packaging import BackendBuild, engine_folder, package_engine, profiles_from_params
 from components.config import BuildParams, section_digest
-from components.engine_dir import EngineDir, Lineage, ShapeProfile
+from components.engine_dir import LOGITS_POSITIONS, EngineDir, Lineage, ShapeProfile
 from components.errors import BuildError
 from components.precision import PrecisionOnnx
 from components.runtime.tensorrt import gpu_target, tensorrt_version
@@ -66,7 +66,7 @@ def profile_shapes(layout, phase: ShapeProfile) -> dict[str, tuple[Shape, Shape,
         past = getattr(phase.past, which)
         kv = (batch, layout.num_heads, past, layout.head_dim)
         kept = new if which == "max" else 1  # whose logits are computed: a prefill's last position, up to scoring's every one
-        return {"input_ids": (batch, new), "attention_mask": (batch, past + new), "position_ids": (batch, new), "logits_positions": (kept,)} | {
+        return {"input_ids": (batch, new), "attention_mask": (batch, past + new), "position_ids": (batch, new), LOGITS_POSITIONS: (kept,)} | {
             name: kv for name in layout.past_names
         }
 
