@@ -12,6 +12,7 @@ asyncio task waits for `http.disconnect` and cancels the stream, whose generator
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator, Mapping
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -19,6 +20,10 @@ from starlette.types import Receive, Scope, Send
 
 class EventStream(StreamingResponse):
     media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None], headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(events, headers=headers)
+        self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()
@@ -42,3 +47,6 @@ class EventStream(StreamingResponse):
             streaming.uncancel()
         finally:
             watcher.cancel()
+            # Cancelled while awaiting `send`, the body's generator is left suspended and its
+            # `finally` (which takes the sequences out of the batch) would wait for the GC.
+            await self._events.aclose()
