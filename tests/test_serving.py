@@ -317,9 +317,13 @@ def test_sequences_arriving_as_others_finish_each_get_the_answer_they_get_alone(
     asks = [(f"{words[i % len(words)]} {i} is" if i % 3 else words[i % len(words)], 3 + (7 * i) % 23) for i in range(30)]
     scheduler = Scheduler(own_engine, tokenizer, max_waiting=len(asks), max_batch=4)
     finished = threading.Semaphore(0)
-    emit = lambda event: finished.release() if isinstance(event, Finished) else None  # noqa: E731
+
+    def emit(event) -> None:
+        if isinstance(event, Finished):
+            finished.release()
+
     sequences = []
-    for prompt, max_tokens in asks:  # a few at a time, so that most arrive while others run
+    for prompt, max_tokens in asks:  # one at a time, 2 ms apart, so that most arrive while others run
         sequences.append(Sequence(tokenizer.encode(prompt), Sampling(max_new_tokens=max_tokens, stop_at_eos=False), emit))
         scheduler.submit(sequences[-1:])
         time.sleep(0.002)
