@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -83,11 +84,12 @@ class EngineManifest(_Frozen):
     # What the engine file depends on beyond the backend's version (torch-cuda: torch, CUDA, GPU).
     runtime: dict[str, str] = {}
 
-    @property
+    # Cached: the runtimes read both on every decode step, and the manifest is frozen.
+    @cached_property
     def past_names(self) -> list[str]:
         return [name for name in self.inputs if name.startswith("past_key_values.")]
 
-    @property
+    @cached_property
     def takes_logits_positions(self) -> bool:
         """Whether the graph computes logits only where asked (components.export's
         LOGITS_POSITIONS); engines exported before it compute them everywhere."""
