@@ -177,6 +177,7 @@ def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int
         activation_type=QuantType.QInt8,
         weight_type=QuantType.QInt8,
         per_channel=params.per_channel,
+        reduce_range=params.reduce_range,
         op_types_to_quantize=list(params.op_types),
         calibrate_method=method,
         nodes_to_exclude=kept_float,

@@ -46,6 +46,17 @@ def test_int8_graph_has_symmetric_qdq_with_per_channel_weights(int8_graph):
     assert int8_graph.calibration_digest is not None and int8_graph.fp32_sha256 != int8_graph.onnx.sha256
 
 
+def test_int8_weights_fit_in_seven_bits_so_no_cpu_saturates_their_sums(int8_graph):
+    """x86 CPUs without VNNI sum pairs of int8 products in int16 (VPMADDUBSW): full-range
+    weights saturate there, and the engine computes another model than the gates measured."""
+    model = onnx.load(str(int8_graph.onnx.path))
+    values = initializers(int8_graph.onnx.path)
+    dequantized = [values[n.input[0]] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in values]
+    weights = [w for w in dequantized if w.dtype == np.int8]  # the biases are int32, added after the sums
+    assert len(weights) >= 4 * int8_graph.onnx.layout.num_layers  # each layer's four linear layers
+    assert max(int(np.abs(w.astype(np.int16)).max()) for w in weights) <= 64
+
+
 def test_int8_leaves_layernorm_softmax_and_attention_scores_in_float(int8_graph, exported):
     model = onnx.load(str(int8_graph.onnx.path))
     produced_by = {o: n for n in model.graph.node for o in n.output}
@@ -120,5 +131,6 @@ def test_unrepresentative_calibration_costs_quality_that_the_gate_measures(proje
     settings = PrecisionParams(int8=Int8Params(calibration_method="minmax"))
     curated = int8_quality("curated-minmax", settings, calibration, project, params, tiny_model, exported, data_version, reference, windows)
     bad = int8_quality("unrepresentative", settings, bad_set, project, params, tiny_model, exported, data_version, reference, windows)
-    assert bad.measured["top1_agreement"] < curated.measured["top1_agreement"]
-    assert bad.measured["ppl_increase_pct"] > curated.measured["ppl_increase_pct"] + 0.5
+    # Measured with 7-bit weights: top-1 0.935 vs 0.992, perplexity +0.44 % vs +0.03 %.
+    assert bad.measured["top1_agreement"] < curated.measured["top1_agreement"] - 0.02
+    assert bad.measured["ppl_increase_pct"] > curated.measured["ppl_increase_pct"] + 0.2
