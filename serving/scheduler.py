@@ -131,8 +131,9 @@ class _Held:
 
     @property
     def rng(self) -> np.random.Generator:
-        """Made on first use: greedy sequences never draw, and seeding one from the OS's
-        entropy takes ~10 µs, more than the rest of a sequence's submit."""
+        """Made on first use, and used only by rows that sample: greedy sequences never
+        draw, and seeding one from the OS's entropy takes ~10 µs, more than the rest of a
+        sequence's submit."""
         if self._rng is None:
             self._rng = np.random.default_rng(self.seq.sampling.seed)
         return self._rng
@@ -284,10 +285,12 @@ class Scheduler:
         `rows`' order); emit it; free the finished rows."""
         done = []
         running = [self._running[row] for row in rows]
-        tokens = pick_each(logits, [r.seq.sampling for r in running], [r.rng for r in running])
+        samplings = [r.seq.sampling for r in running]
+        tokens = pick_each(logits, samplings, [r.rng if s.temperature > 0 else None for r, s in zip(running, samplings, strict=True)])
+        now = time.monotonic()  # one clock read for the step's tokens: they became known together
         for row, r, token in zip(rows, running, tokens.tolist(), strict=True):
             self._next[row] = token
-            reason = self._accept(r, token)
+            reason = self._accept(r, token, now)
             if reason:
                 done.append(row)
                 rest = r.text.finish()
@@ -297,13 +300,13 @@ class Scheduler:
                 r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated)))
         self._release(done)
 
-    def _accept(self, r: _Held, token: int) -> str | None:
+    def _accept(self, r: _Held, token: int, now: float) -> str | None:
         """Add a token to the sequence; the finish reason if it ends here."""
         seq = r.seq
         if seq.sampling.stop_at_eos and token == self.engine.manifest.eos_token_id:
             return "stop"
         seq.generated.append(token)
-        seq.last_token_at = time.monotonic()
+        seq.last_token_at = now
         seq.first_token_at = seq.first_token_at or seq.last_token_at
         delta = r.text.add(token)
         if seq.stream:

@@ -36,9 +36,10 @@ def _nucleus(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> int:
     return int(keep[rng.choice(len(keep), p=kept)])
 
 
-def pick_each(logits: np.ndarray, samplings: list[Sampling], rngs: list[np.random.Generator]) -> np.ndarray:
+def pick_each(logits: np.ndarray, samplings: list[Sampling], rngs: list[np.random.Generator | None]) -> np.ndarray:
     """Row i of a batch picked with its own `samplings[i]` and `rngs[i]` (continuous
-    batching mixes requests); greedy rows are picked together in one argmax."""
+    batching mixes requests); greedy rows are picked together in one argmax and need no
+    generator (None)."""
     picked = logits.argmax(-1).astype(np.int64)
     for row, (sampling, rng) in enumerate(zip(samplings, rngs, strict=True)):
         if sampling.temperature > 0:
