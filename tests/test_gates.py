@@ -1,7 +1,6 @@
 """The gates measure an engine against the PyTorch model it came from, and can fail."""
 
 import json
-
 import re
 
 import numpy as np
