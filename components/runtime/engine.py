@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from components.engine_dir import EngineDir
+from components.engine_dir import LOGITS_POSITIONS, EngineDir
 from components.errors import ShapeOutOfProfile
 from components.runtime.sampling import Sampling, pick_next
 
@@ -165,6 +165,13 @@ class Engine(ABC):
             generated = [[t for t in row if t != self.manifest.eos_token_id] for row in generated]
         return generated
 
+    def _logits_positions_feed(self, input_ids: np.ndarray, logits_positions: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The graph's LOGITS_POSITIONS input for a `forward` call (None: every position of
+        `input_ids`); none for a graph exported before it, which computes them all."""
+        if not self.manifest.takes_logits_positions:
+            return {}
+        return {LOGITS_POSITIONS: np.arange(input_ids.shape[1], dtype=np.int64) if logits_positions is None else logits_positions}
+
     # ------------------------------------------------------------ profile checks
 
     def _empty_cache(self, batch: int) -> list[np.ndarray]:
@@ -192,11 +199,6 @@ class Engine(ABC):
         limit = self.manifest.profiles["generation"].past.max + 1
         if total > limit:
             raise ShapeOutOfProfile(f"prompt plus max_tokens is {total} tokens; the engine's profile allows {limit}")
-
-
-def every_position(input_ids: np.ndarray) -> np.ndarray:
-    """`logits_positions` asking for the logits of every position of `input_ids`."""
-    return np.arange(input_ids.shape[1], dtype=np.int64)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from components.engine_dir import LOGITS_POSITIONS, EngineDir
+from components.engine_dir import EngineDir
 from components.errors import EngineError
-from components.runtime.engine import Engine, every_position
+from components.runtime.engine import Engine
 
 # ORT can fuse a quantized MatMul + Add into a float Gemm with no int8 kernel, dequantizing
 # the weights on every step (slower than fp32). kiln's export emits Gemm for linear layers,
@@ -35,8 +35,7 @@ class OrtEngine(Engine):
 
     def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        if self.manifest.takes_logits_positions:
-            feeds[LOGITS_POSITIONS] = every_position(input_ids) if logits_positions is None else logits_positions
+        feeds |= self._logits_positions_feed(input_ids, logits_positions)
         feeds |= dict(zip(self.manifest.past_names, cache))
         logits, *present = self.session.run(None, feeds)
         return logits, present

@@ -14,9 +14,9 @@ import ctypes
 
 import numpy as np
 
-from components.engine_dir import LOGITS_POSITIONS, EngineDir, EngineManifest
+from components.engine_dir import EngineDir, EngineManifest
 from components.errors import BackendUnavailable, EngineError
-from components.runtime.engine import Engine, every_position
+from components.runtime.engine import Engine
 
 # cudaDeviceAttr values of the CUDA runtime API (stable since CUDA 2.x).
 _COMPUTE_CAPABILITY_MAJOR, _COMPUTE_CAPABILITY_MINOR = 75, 76
@@ -94,8 +94,7 @@ class TrtEngine(Engine):
         profile = self.CONTEXT if cache[0].shape[2] == 0 else self.GENERATION
         self._context.set_optimization_profile_async(profile, self._stream.ptr)
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        if self.manifest.takes_logits_positions:
-            feeds[LOGITS_POSITIONS] = every_position(input_ids) if logits_positions is None else logits_positions
+        feeds |= self._logits_positions_feed(input_ids, logits_positions)
         feeds |= dict(zip(self.manifest.past_names, cache))
         staged, hosts = [], []  # host inputs copied to the device for this step only
         for name, value in feeds.items():
