@@ -29,6 +29,9 @@ def server_commands(root: Path, params: Params, mlflow_port: int, prefect_port: 
             "--backend-store-uri", target.tracking_uri,
             "--default-artifact-root", str(target.artifact_root),
             "--host", "127.0.0.1", "--port", str(mlflow_port),
+            # One person's UI on their own machine: MLflow's default four workers each
+            # import mlflow (7–20 s of CPU apiece), which on 2 cores held the UI back ~40 s.
+            "--workers", "1",
         ],
         "prefect": [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
     }

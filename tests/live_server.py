@@ -61,7 +61,11 @@ class LiveServer:
 @contextmanager
 def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
     """`mlflow server` on a store, set up to deliver webhooks to a local receiver (FACTS.md);
-    yields its URL once /health answers."""
+    yields its URL once /health answers.
+
+    One worker: MLflow's default four each import mlflow (7–20 s of CPU apiece here), which
+    on a 2-core CI machine running two test workers took the start past a minute. Its output
+    goes to a log beside the store, whose tail a failed start reports."""
     from cryptography.fernet import Fernet
 
     port = free_port()
@@ -72,19 +76,14 @@ def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
         "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode(),
     }
     command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", tracking_uri,
-               "--default-artifact-root", str(artifact_root), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+               "--default-artifact-root", str(artifact_root), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    log_path = artifact_root.parent / f"mlflow-server-{port}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
-            time.sleep(0.3)
+        wait_for(lambda: answers(f"{url}/health") or process.poll() is not None, 180, "mlflow server answering /health", log_path)
+        assert process.poll() is None, f"mlflow server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
         yield url
     finally:
         process.terminate()
