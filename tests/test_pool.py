@@ -60,10 +60,11 @@ def pool(tmp_path_factory):
     root = make_project(base / "p")
     with postgres_server() as database, _processes(base) as start:
         mlflow, prefect = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        # One worker: four each import mlflow, which on a busy 2-core CI machine is most of a minute.
         start("mlflow", ["mlflow", "server", "--backend-store-uri", database, "--artifacts-destination", str(base / "shared-artifacts"),
-                         "--host", "127.0.0.1", "--port", mlflow.rsplit(":", 1)[1]])  # fmt: skip
+                         "--host", "127.0.0.1", "--port", mlflow.rsplit(":", 1)[1], "--workers", "1"])  # fmt: skip
         start("prefect", ["prefect", "server", "start", "--host", "127.0.0.1", "--port", prefect.rsplit(":", 1)[1]], PREFECT_HOME=str(base / "prefect-server"))
-        wait_for(lambda: answers(f"{mlflow}/health") and answers(f"{prefect}/api/health"), 120, "MLflow and Prefect servers answering")
+        wait_for(lambda: answers(f"{mlflow}/health") and answers(f"{prefect}/api/health"), 180, "MLflow and Prefect servers answering")
         params = tiny_params(
             root, registry=RegistryParams(tracking_uri=mlflow, model_name=MODEL), precision=PrecisionParams(build=["fp32", "int8"]),
             triggers=TriggerParams(on_promotion=False, data_poll_interval_s=0),
