@@ -286,7 +286,7 @@ class Scheduler:
         done = []
         running = [self._running[row] for row in rows]
         samplings = [r.seq.sampling for r in running]
-        tokens = pick_each(logits, samplings, [r.rng if s.temperature > 0 else None for r, s in zip(running, samplings, strict=True)])
+        tokens = pick_each(logits, samplings, [None if s.greedy else r.rng for r, s in zip(running, samplings, strict=True)])
         now = time.monotonic()  # one clock read for the step's tokens: they became known together
         for row, r, token in zip(rows, running, tokens.tolist(), strict=True):
             self._next[row] = token

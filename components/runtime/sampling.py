@@ -17,10 +17,15 @@ class Sampling:
     seed: int | None = None
     stop_at_eos: bool = True
 
+    @property
+    def greedy(self) -> bool:
+        """Picks the argmax and draws no random numbers (so needs no generator)."""
+        return self.temperature <= 0
+
 
 def pick_next(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
     """Greedy at temperature 0; else nucleus sampling with temperature and top_p."""
-    if sampling.temperature <= 0:
+    if sampling.greedy:
         return logits.argmax(-1).astype(np.int64)
     scaled = logits.astype(np.float64) / sampling.temperature
     probs = np.exp(scaled - scaled.max(-1, keepdims=True))
@@ -42,6 +47,6 @@ def pick_each(logits: np.ndarray, samplings: list[Sampling], rngs: list[np.rando
     generator (None)."""
     picked = logits.argmax(-1).astype(np.int64)
     for row, (sampling, rng) in enumerate(zip(samplings, rngs, strict=True)):
-        if sampling.temperature > 0:
+        if not sampling.greedy:
             picked[row] = pick_next(logits[row : row + 1], sampling, rng)[0]
     return picked

@@ -162,7 +162,7 @@ class TorchCudaEngine(Engine):
         """Greedy continuations, batched continuously over the cache's slots (more prompts
         than slots wait for one); stops at the end-of-text token when asked, which, as for
         every engine, is not part of the result."""
-        if sampling.temperature > 0:
+        if not sampling.greedy:
             raise EngineError("torch-cuda engines generate greedily (temperature 0); sampling is not captured in their graphs yet")
         if not prompts or any(not p for p in prompts):
             raise ShapeOutOfProfile("every prompt needs at least one token")
