@@ -305,9 +305,9 @@ class SampleParams(_Section):
 
     prompt: str = "The list type"
     max_tokens: int = Field(40, ge=1)
-    temperature: float = Field(0.8, ge=0)
+    temperature: float = Field(0.8, ge=0, allow_inf_nan=False)
     top_p: float = Field(0.95, gt=0, le=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
 
 
 class ServingParams(_Section):

@@ -40,6 +40,10 @@ def parse_completion(body: bytes, max_tokens_limit: int) -> CompletionRequest:
         raise ApiError(400, f"the request body is not UTF-8: {err}", code="invalid_encoding") from None
     except json.JSONDecodeError as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests arrays or objects too deeply to read", code="invalid_json") from None
+    except ValueError as err:  # Python's limit on an integer's digits (sys.get_int_max_str_digits)
+        raise ApiError(400, f"the request body holds a number kiln will not read: {str(err).split(';')[0]}", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(payload).__name__}", code="invalid_json")
     try:

@@ -286,9 +286,13 @@ class Scheduler:
         done = []
         running = [self._running[row] for row in rows]
         samplings = [r.seq.sampling for r in running]
-        tokens = pick_each(logits, samplings, [None if s.greedy else r.rng for r, s in zip(running, samplings, strict=True)])
+        tokens, failed = pick_each(logits, samplings, [None if s.greedy else r.rng for r, s in zip(running, samplings, strict=True)])
         now = time.monotonic()  # one clock read for the step's tokens: they became known together
-        for row, r, token in zip(rows, running, tokens.tolist(), strict=True):
+        for index, (row, r, token) in enumerate(zip(rows, running, tokens.tolist(), strict=True)):
+            if index in failed:
+                done.append(row)
+                r.seq.emit(Failed(failed[index]))
+                continue
             self._next[row] = token
             reason = self._accept(r, token, now)
             if reason:

@@ -26,7 +26,7 @@ class CompletionRequest(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # numpy's generators take no negative seed
     stream: bool = False
     n: Literal[1] = 1  # one choice per prompt: kiln does not sample alternatives
     user: str | None = None  # accepted and ignored, as OpenAI's servers do for routing

@@ -61,5 +61,5 @@ def verified_alias_event(secret: str, headers: Mapping[str, str], body: bytes, n
         kind = (payload["entity"], payload["action"])
         version = None if data.get("version") is None else str(data["version"])
         return AliasEvent(data["name"], data["alias"], payload["action"], version) if kind in ALIAS_EVENTS else None
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise WebhookRejected(f"the delivery is not an MLflow webhook payload: {err}") from None

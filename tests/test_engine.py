@@ -12,7 +12,7 @@ from components.errors import EngineError, ShapeOutOfProfile
 from components.files import file_sha256
 from components.runtime import load_engine
 from components.runtime.engine import DecodeState, left_pad
-from components.runtime.sampling import Sampling
+from components.runtime.sampling import Sampling, pick_each
 from components.runtime.tokenizer import EngineTokenizer
 
 from .conftest import EosAfter
@@ -120,6 +120,23 @@ def test_sampling_is_reproducible_for_a_seed(engine, engine_dir):
     sampled = [engine.generate(prompt, Sampling(max_new_tokens=16, temperature=1.5, seed=s, stop_at_eos=False))[0] for s in (1, 1, 2)]
     assert sampled[0] == sampled[1]
     assert sampled[0] != sampled[2]
+
+
+def test_a_row_that_cannot_be_sampled_is_named_and_the_other_rows_keep_their_tokens():
+    logits = np.array([[0.0, 3.0, 1.0], [np.nan, 1.0, 2.0], [2.0, 0.0, 1.0]], np.float32)
+    samplings = [Sampling(), Sampling(temperature=1.0, seed=0), Sampling(temperature=0.7, seed=0)]
+    picked, failed = pick_each(logits, samplings, [None, np.random.default_rng(0), np.random.default_rng(0)])
+    assert list(failed) == [1] and "NaN" in failed[1]
+    assert picked[0] == 1 and picked[2] in (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [({"seed": -1}, "seed"), ({"temperature": -0.5}, "temperature"), ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")],
+)
+def test_a_sampling_that_could_not_draw_is_refused_when_made_naming_the_setting(settings, named):
+    with pytest.raises(ValueError, match=named):
+        Sampling(**settings)
 
 
 def test_top_p_near_zero_is_greedy(engine, engine_dir):

@@ -59,7 +59,7 @@ class Store:
     def app(self, **settings):
         source = AliasSource(self.target, CHAMPION, self.root / "cache")
         runtime = RuntimeOptions(max_waiting=settings.pop("max_waiting", 32))
-        defaults = {"poll_interval_s": 0, "max_tokens": 64, "max_body_bytes": 4096, "webhook_secret": SECRET, "runtime": runtime}
+        defaults = {"poll_interval_s": 0, "max_tokens": 64, "max_body_bytes": 8192, "webhook_secret": SECRET, "runtime": runtime}
         return create_app(source, ServerSettings(**(defaults | settings)))
 
 
@@ -334,6 +334,35 @@ def test_sequences_arriving_as_others_finish_each_get_the_answer_they_get_alone(
     assert [s.generated for s in sequences] == alone
 
 
+def test_a_temperature_too_small_to_divide_by_samples_greedily_and_leaves_its_batch_alone(own_engine, engine, tokenizer):
+    """Logits over a temperature of 1e-308 overflow to inf, and inf - inf is NaN: numpy
+    refused to draw, and the failure took down every request in the step."""
+    from serving.scheduler import Failed, Finished, Scheduler, Sequence
+
+    scheduler = Scheduler(own_engine, tokenizer, max_waiting=8)
+    events: dict[int, list] = {0: [], 1: [], 2: []}
+    ended = threading.Semaphore(0)
+
+    def emitter(index: int):
+        def emit(event) -> None:
+            events[index].append(event)
+            if isinstance(event, Finished | Failed):
+                ended.release()
+
+        return emit
+
+    prompts = [tokenizer.encode(p) for p in ("The list", "A class", "Importing")]
+    samplings = [Sampling(max_new_tokens=12, stop_at_eos=False), Sampling(max_new_tokens=12, temperature=1e-308, seed=1, stop_at_eos=False), Sampling(max_new_tokens=12, stop_at_eos=False)]
+    sequences = [Sequence(prompt, sampling, emitter(i)) for i, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True))]
+    scheduler.submit(sequences)
+    for _ in sequences:
+        assert ended.acquire(timeout=30)
+    assert scheduler.close(timeout=5)
+    assert [type(e[-1]) for e in events.values()] == [Finished] * 3, events
+    greedy = [engine.generate([p], Sampling(max_new_tokens=12, stop_at_eos=False))[0] for p in prompts]
+    assert [s.generated for s in sequences] == greedy  # the tiny temperature is the argmax
+
+
 def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(own_engine, tokenizer):
     """What a disconnect does (the server marks the client's sequences cancelled): the slot
     is free at once, not after max_tokens."""
@@ -409,7 +438,13 @@ BAD_INPUTS = {
     "negative-token-id": (b'{"model": "kiln-serve", "prompt": [5, -1]}', 400, "prompt"),
     "text-and-ids-mixed": (b'{"model": "kiln-serve", "prompt": [5, "x"]}', 400, "prompt"),
     "unknown-model": (b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
-    "body-over-limit": (b'{"model": "kiln-serve", "prompt": "' + b"x" * 5000 + b'"}', 413, None),
+    "body-over-limit": (b'{"model": "kiln-serve", "prompt": "' + b"x" * 9000 + b'"}', 413, None),
+    # numpy's generators take no negative seed: drawn at the first step, it failed the whole batch
+    "negative-seed": (b'{"model": "kiln-serve", "prompt": "x", "temperature": 1, "seed": -1}', 400, "seed"),
+    "seed-beyond-64-bits": (b'{"model": "kiln-serve", "prompt": "x", "temperature": 1, "seed": 18446744073709551616}', 400, "seed"),
+    # json.loads raises RecursionError and, past 4300 digits, a plain ValueError: not JSONDecodeError
+    "nested-too-deeply": (b"[" * 2000 + b"]" * 2000, 400, None),
+    "integer-with-5000-digits": (b'{"model": "kiln-serve", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", 400, None),
 }
 
 

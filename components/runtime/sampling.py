@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,16 @@ class Sampling:
     seed: int | None = None
     stop_at_eos: bool = True
 
+    def __post_init__(self) -> None:
+        # Checked here, not at the first draw: in a batch, a sampling that fails mid-step
+        # would fail every request the step carries.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (numpy's generators take no negative seeds), not {self.seed}")
+
     @property
     def greedy(self) -> bool:
         """Picks the argmax and draws no random numbers (so needs no generator)."""
@@ -27,8 +38,11 @@ def pick_next(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) 
     """Greedy at temperature 0; else nucleus sampling with temperature and top_p."""
     if sampling.greedy:
         return logits.argmax(-1).astype(np.int64)
-    scaled = logits.astype(np.float64) / sampling.temperature
-    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+    # The maximum comes off before the temperature divides: a tiny temperature then sends the
+    # rest to -inf (probability 0) instead of every logit to inf (inf - inf: NaN).
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    with np.errstate(over="ignore"):  # -inf, on purpose
+        probs = np.exp(shifted / sampling.temperature)
     probs /= probs.sum(-1, keepdims=True)
     return np.array([_nucleus(row, sampling.top_p, rng) for row in probs], np.int64)
 
@@ -41,12 +55,17 @@ def _nucleus(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> int:
     return int(keep[rng.choice(len(keep), p=kept)])
 
 
-def pick_each(logits: np.ndarray, samplings: list[Sampling], rngs: list[np.random.Generator | None]) -> np.ndarray:
+def pick_each(logits: np.ndarray, samplings: list[Sampling], rngs: list[np.random.Generator | None]) -> tuple[np.ndarray, dict[int, str]]:
     """Row i of a batch picked with its own `samplings[i]` and `rngs[i]` (continuous
     batching mixes requests); greedy rows are picked together in one argmax and need no
-    generator (None)."""
+    generator (None). A row whose draw fails is named in the second value with the reason,
+    and the others keep their tokens: one request's sampling is not the batch's fault."""
     picked = logits.argmax(-1).astype(np.int64)
+    failed: dict[int, str] = {}
     for row, (sampling, rng) in enumerate(zip(samplings, rngs, strict=True)):
         if not sampling.greedy:
-            picked[row] = pick_next(logits[row : row + 1], sampling, rng)[0]
-    return picked
+            try:
+                picked[row] = pick_next(logits[row : row + 1], sampling, rng)[0]
+            except ValueError as err:  # numpy's word for probabilities it cannot draw from (NaN logits)
+                failed[row] = f"sampling failed: {err}"
+    return picked, failed
