@@ -49,7 +49,9 @@ def parse_completion(body: bytes, max_tokens_limit: int) -> CompletionRequest:
     try:
         request = CompletionRequest.model_validate(payload)
     except ValidationError as err:
-        first = err.errors()[0]
+        # A union field (prompt, stop) fails once per member; a broken limit ("at most 4
+        # items") says more than "should be a valid string" about a list that is too long.
+        first = min(err.errors(), key=lambda error: error["type"].endswith("_type"))
         param = str(first["loc"][0]) if first["loc"] else None  # the field; deeper parts name union members
         raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code=first["type"]) from None
     if request.max_tokens > max_tokens_limit:
@@ -106,6 +108,8 @@ def submit(request: CompletionRequest, served: ServedEngine, started: float, mai
         max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos
     )
     vocab = served.pulled.engine_dir.manifest.vocab_size
+    if len(request.prompts) > served.scheduler.max_waiting:  # a 503 would have it retry what can never fit
+        raise ApiError(400, f"the request has {len(request.prompts)} prompts; this server takes at most {served.scheduler.max_waiting} in one request", param="prompt")
     sequences = []
     for index, prompt in enumerate(request.prompts):
         ids = served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt

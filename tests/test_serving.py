@@ -233,11 +233,23 @@ def wait_for_empty_batch(live: LiveServer) -> None:
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_answering(store):
+    """The line (max_waiting 2) is filled while the engine process is stopped (SIGSTOP), so
+    that nothing leaves it before the next request arrives."""
     with LiveServer(store.app(max_waiting=2)) as live, live.client() as client:
-        busy = completion(client, prompt=["a", "b", "c"], max_tokens=4)
+        engine_pid = live.app.state.follower.current.scheduler.pid
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 4, "stream": True}) as waiting:
+                assert waiting.status_code == 200  # its headers come once both prompts are in line
+                busy = completion(client, prompt="c", max_tokens=4)
+                os.kill(engine_pid, signal.SIGCONT)
+                lines = [line for line in waiting.iter_lines() if line]
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
         assert busy.status_code == 503
         assert busy.headers["Retry-After"] == "1"
         assert busy.json()["error"]["code"] == "queue_full"
+        assert lines[-1] == "data: [DONE]" and "error" not in lines[-2]
         assert completion(client, prompt=["a", "b"], max_tokens=4).status_code == 200
 
 
@@ -444,6 +456,7 @@ BAD_INPUTS = {
     "seed-beyond-64-bits": (b'{"model": "kiln-serve", "prompt": "x", "temperature": 1, "seed": 18446744073709551616}', 400, "seed"),
     # json.loads raises RecursionError and, past 4300 digits, a plain ValueError: not JSONDecodeError
     "nested-too-deeply": (b"[" * 2000 + b"]" * 2000, 400, None),
+    "more-prompts-than-the-waiting-line": (b'{"model": "kiln-serve", "prompt": [' + b", ".join([b'"x"'] * 33) + b"]}", 400, "prompt"),
     "integer-with-5000-digits": (b'{"model": "kiln-serve", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", 400, None),
 }
 
@@ -459,6 +472,17 @@ def test_bad_input_is_a_4xx_naming_what_was_wrong_and_the_server_keeps_answering
         assert error["message"] and error["type"]
         assert error["param"] == param
         assert completion(client, prompt="x", max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"), ({"prompt": [5, -1]}, "greater than or equal to 0"), ({"prompt": []}, "at least 1")],
+    ids=["five-stops", "negative-token-id", "empty-prompt-list"],
+)
+def test_a_union_fields_error_names_the_broken_limit_not_another_members_type(server, body, named):
+    with server.client() as client:
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"} | body)
+    assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
 
 
 @pytest.mark.parametrize(("repeats", "param", "limit"), [(25, "max_tokens", 128), (60, "prompt", 96)], ids=["prompt-plus-max-tokens", "prompt-alone"])
