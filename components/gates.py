@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,6 +19,7 @@ from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import ConfigError, DataError
 from components.model_dir import TrainedModel
 from components.progress import stage_progress
+from components.runtime.availability import machine_description
 from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
@@ -49,6 +50,7 @@ class GateResult:
 @dataclass(frozen=True)
 class GateReport:
     gates: tuple[GateResult, ...]
+    machine: str = ""  # where it was measured (availability.machine_description); "" unknown
 
     @property
     def passed(self) -> bool:
@@ -56,6 +58,11 @@ class GateReport:
 
     def __bool__(self) -> bool:
         return self.passed
+
+    def plus(self, gate: GateResult) -> GateReport:
+        """This report with one more gate, measured in the run that adds it (the serving and
+        champion gates beside the cached gate stage's); `machine` stays the stage's."""
+        return replace(self, gates=(*self.gates, gate))
 
     def gate(self, name: str) -> GateResult:
         return next(g for g in self.gates if g.name == name)
@@ -68,7 +75,7 @@ class GateReport:
         return {f"gates.{g.name}.{k}": v for g in self.gates for k, v in g.measured.items()}
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "gates": [asdict(g) | {"samples_ms": list(g.samples_ms)} for g in self.gates]}
+        return {"passed": self.passed, "machine": self.machine, "gates": [asdict(g) | {"samples_ms": list(g.samples_ms)} for g in self.gates]}
 
     def to_markdown(self) -> str:
         lines = [f"# Gate report: {'PASSED' if self.passed else 'FAILED'}", "", "| gate | measure | value | limit | gate result |", "|---|---|---|---|---|"]
@@ -79,6 +86,8 @@ class GateReport:
                 # emoji font draws ✅ as an empty box.
                 mark = "" if not limit else ("pass" if gate.passed else "**FAIL**")
                 lines.append(f"| {gate.name} | {measure} | {value:.6g} | {limit} | {mark} |")
+        if self.machine:
+            lines += ["", f"Measured on {self.machine}."]
         return "\n".join(lines) + "\n"
 
 
@@ -305,7 +314,7 @@ def gate_report(engine: Engine, reference, eval_texts: list[str], params: GatePa
     quality = quality_gate(engine, reference, windows, params.quality)
     text = text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text)
     latency = latency_gate(engine, latency_prompt(windows, params.latency.prompt_tokens), params.latency)
-    return GateReport((quality, text, latency))
+    return GateReport((quality, text, latency), machine_description(engine.manifest.target))
 
 
 def write_report(report: GateReport, directory: Path) -> list[Path]:

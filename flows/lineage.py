@@ -32,7 +32,7 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         "git_commit": git_commit,
         "params_sha256": params.digest(),
         "gates.passed": str(report.passed).lower(),
-    } | {f"runtime.{name}": value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
+    } | ({"gates.measured_on": report.machine} if report.machine else {}) | {f"runtime.{name}": value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
     if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
         tags["gates.champion.passed"] = str(against_champion.passed).lower()
         tags |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}

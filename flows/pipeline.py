@@ -193,7 +193,7 @@ def _engine_for(
     graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
-    report = GateReport((*gated.report.gates, serving_check(engine, data.texts("eval"), params.gates, params.serving.threads)))
+    report = gated.report.plus(serving_check(engine, data.texts("eval"), params.gates, params.serving.threads))
     champion = alias_version(target, CHAMPION)
     is_champion = champion is not None and (champion.tags.get("engine_sha256"), champion.tags.get("profiles_sha256")) == (
         engine.sha256, engine.manifest.profiles_sha256
@@ -210,7 +210,7 @@ def _engine_for(
 def _publish_report(precision: str, report: GateReport, against_champion: GateResult | None, directory: Path) -> Path:
     """Every gate of this run (the cached gate stage's and those measured in the run) as
     Prefect artifacts and as the report files the registered run keeps; returns their folder."""
-    everything = GateReport((*report.gates, against_champion)) if against_champion else report
+    everything = report.plus(against_champion) if against_champion else report
     write_report(everything, directory)
     create_markdown_artifact(everything.to_markdown(), key=f"gate-report-{precision}", description=f"Gates of the {precision} engine")
     rows = [

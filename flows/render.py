@@ -26,7 +26,7 @@ def gate_report(report) -> None:
     """Every measured number of every gate, with its limit; a failed gate's rows in red."""
     from components.gates import limit_text
 
-    table = Table(title="gates", show_lines=False)
+    table = Table(title="gates", show_lines=False, caption=f"measured on {report.machine}" if report.machine else None)
     for column in ("gate", "measure", "value", "limit"):
         table.add_column(column)
     for gate in report.gates:

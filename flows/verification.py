@@ -20,6 +20,7 @@ from components.data import dvc_md5, split_texts
 from components.errors import KilnError
 from components.gates import GateResult, quality_gate_against
 from components.model_dir import model_from_directory
+from components.runtime.availability import machine_description
 from flows.environment import person
 from registry import RegistryTarget, tag_version
 from serving import loader
@@ -37,6 +38,7 @@ class Verification:
     quality: GateResult | None = None
     data_md5: str | None = None  # the data version whose eval split the quality gate used
     notes: tuple[str, ...] = field(default=())
+    machine: str | None = None  # where the quality gate ran (int8 kernels differ across CPUs)
 
     def tags(self, alias: str, run: str | None) -> dict[str, str]:
         tags = {
@@ -53,6 +55,8 @@ class Verification:
             tags["data_md5"] = self.data_md5
         if self.notes:
             tags["notes"] = "; ".join(self.notes)[:4000]
+        if self.machine:
+            tags["measured_on"] = self.machine
         if self.quality is not None:
             tags.update({f"quality.{name}": f"{value:.6g}" for name, value in self.quality.measured.items()})
         return {PREFIX + key: value for key, value in tags.items()}
@@ -87,7 +91,7 @@ def _quality_here(version: str, engine, lineage, params: Params, root: Path) -> 
     notes = () if data_md5 == lineage.data_md5 else (f"gated on data {lineage.data_md5[:12]}…, verified on the project's current data {data_md5[:12]}…",)
     quality = quality_gate_against(engine, model.path, split_texts(data_dir, "eval"), params.gates.quality)
     failure = None if quality.passed else "quality gate failed here: " + "; ".join(quality.failures())
-    return Verification(version, quality.passed, failure, quality, data_md5, notes)
+    return Verification(version, quality.passed, failure, quality, data_md5, notes, machine_description(engine.manifest.target))
 
 
 def record_verification(target: RegistryTarget, verification: Verification, alias: str, run: str | None) -> None:

@@ -72,7 +72,7 @@ def test_gate_exits_0_when_the_engine_passes_and_1_when_a_gate_fails(tmp_path, e
     ok = write_params(tmp_path / "ok.yaml", params)
     passed = CliRunner().invoke(app, ["gate", str(engine_dir.path), "--params", str(ok), "--data", str(data_version.path)])
     assert passed.exit_code == 0, passed.output
-    assert "all gates passed" in passed.output
+    assert "all gates passed" in passed.output and "measured on" in passed.output and "cores" in passed.output
 
     strict = params.gates.model_copy(update={"latency": params.gates.latency.model_copy(update={"max_p95_ms": 1e-6})})
     slow = write_params(tmp_path / "strict.yaml", params.model_copy(update={"gates": strict}))

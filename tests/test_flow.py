@@ -221,6 +221,8 @@ def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_cha
     client = MlflowClient(target.tracking_uri)
     page = client.get_model_version("kiln-pages", first.challenger.registration.version).description
     assert "gates passed" in page and "| quality | top1_agreement | 1 | >= 0.99 | pass |" in page
+    measured_on = client.get_model_version("kiln-pages", first.challenger.registration.version).tags["gates.measured_on"]
+    assert "cores" in measured_on and f"Measured on {measured_on}." in page
     assert "No champion when this version was registered." in page
     assert f"data version `{dvc_md5(flow_project / 'data.dvc')}`" in page
     assert f"engine `{first.challenger.engine.sha256[:16]}`" in page and f"params sha256 `{params.digest()[:16]}`" in page

@@ -1,7 +1,9 @@
 """The gates measure an engine against the PyTorch model it came from, and can fail."""
 
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,6 +83,11 @@ def test_a_report_is_written_as_json_markdown_and_a_plot(tmp_path, engine, refer
     assert "| quality | top1_agreement |" in paths[1].read_text()
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(report.flat_numbers()) >= {"gates.quality.top1_agreement", "gates.quality.ppl_increase_pct", "gates.text.rouge_l_drop_pct", "gates.latency.p95_ms"}
+    # Where it was measured: latency (and int8's kernels) depend on the CPU.
+    assert saved["machine"] == report.machine and f"Measured on {report.machine}." in paths[1].read_text()
+    assert f"{len(os.sched_getaffinity(0))} cores" in report.machine
+    model_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)
+    assert model_name is None or report.machine.startswith(model_name)
 
 
 def model_written_windows(engine_dir, reference, data_version, params, count: int | None = None) -> np.ndarray:

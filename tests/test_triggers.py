@@ -309,6 +309,7 @@ def test_an_alias_set_in_mlflow_starts_verify_promotion_whose_result_lands_on_th
     assert tags["verification.passed"] == "true" and tags["verification.alias"] == "champion"
     assert tags["verification.flow_run"] == run["id"]
     assert float(tags["verification.quality.top1_agreement"]) >= 0.99
+    assert "cores" in tags["verification.measured_on"]  # the machine it was verified on
     set_alias(deployed.mlflow, "staging", "2")  # an alias triggers.verify_aliases does not name
     time.sleep(5)
     assert len(flow_runs(prefect, "verify-promotion")) == before + 1

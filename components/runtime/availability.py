@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
+
+# The instruction sets that pick ONNX Runtime's int8 kernels on x86 (MLAS): with VNNI or AMX
+# a step costs a fraction of what it does with AVX2 alone, and full-range int8 weights sum
+# differently without VNNI; a latency figure or a quality figure means little without them.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,28 @@ def tensorrt_ready() -> tuple[bool, str]:
     except BackendUnavailable as err:
         return False, str(err)
     return True, ""
+
+
+def machine_description(target: str = "cpu") -> str:
+    """Where a measurement was made: the CPU's model, the cores this process may use and the
+    kernel-relevant instruction sets, plus the GPU for an engine that runs on one."""
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():  # Linux; elsewhere platform's word is all there is
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+            if model and flags:
+                break
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    isa = " ".join(flag for flag in KERNEL_FLAGS if flag in flags)
+    described = f"{model}, {cores} cores" + (f" ({isa})" if isa else "")
+    if target != "cpu":
+        described += f"; GPU {gpu_description() or 'none found'}"
+    return described
 
 
 def gpu_description() -> str | None:
