@@ -91,17 +91,13 @@ def tensorrt_ready() -> tuple[bool, str]:
 def machine_description(target: str = "cpu") -> str:
     """Where a measurement was made: the CPU's model, the cores this process may use and the
     kernel-relevant instruction sets, plus the GPU for an engine that runs on one."""
-    model, flags = platform.processor() or platform.machine(), set()
+    first: dict[str, str] = {}  # the first CPU's lines of /proc/cpuinfo
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():  # Linux; elsewhere platform's word is all there is
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-            if model and flags:
-                break
+    for line in cpuinfo.read_text(errors="replace").splitlines() if cpuinfo.is_file() else ():
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    model = first.get("model name") or platform.processor() or platform.machine()  # Linux's word, else platform's
+    flags = set(first.get("flags", "").split())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     isa = " ".join(flag for flag in KERNEL_FLAGS if flag in flags)
     described = f"{model}, {cores} cores" + (f" ({isa})" if isa else "")
