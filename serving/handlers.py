@@ -164,17 +164,19 @@ async def complete(served: ServedEngine, job: Submitted) -> Completion:
 
 
 async def stream(served: ServedEngine, job: Submitted) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per text delta, a last chunk per choice with its
+    """Server-sent events: a chunk per generated token, a last chunk per choice with its
     finish_reason (and the usage, once all have ended), then `data: [DONE]`. Chunks that
-    are ready together leave in one write."""
+    are ready together leave in one write. A token's chunk may carry no text (part of a
+    character, or text held back while it could begin a stop string): sent all the same,
+    as vLLM does, so that a client sees each token as its step completes (a model whose
+    tokens decode to nothing for a while streamed nothing until its end)."""
     chunks = _ChunkWriter(job_id(), int(time.time()), served.model)
     finished: dict[int, Finished] = {}
     ready: list[str] = []
     try:
         async for index, event in events_of(job):
             if isinstance(event, Delta):
-                if event.text:
-                    ready.append(chunks.delta(index, event.text))
+                ready.append(chunks.delta(index, event.text))
             else:
                 finished[index] = event
                 last = len(finished) == len(job.sequences)

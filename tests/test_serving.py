@@ -130,6 +130,18 @@ def test_streaming_through_the_openai_client_gives_the_same_text_token_by_token(
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+def test_a_stream_has_a_chunk_for_every_token_even_one_that_releases_no_text_yet(server):
+    """A 12-character stop string holds back the text until it cannot begin one: the first
+    tokens release nothing, and their chunks come all the same (empty), one per token."""
+    body = {"model": MODEL, "prompt": "The list", "max_tokens": 12, "ignore_eos": True, "stop": "~" * 12, "temperature": 0, "stream": True}
+    with server.client() as client, client.stream("POST", "/v1/completions", json=body) as response:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line and line != "data: [DONE]"]
+    deltas = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["finish_reason"] is None]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    assert len(deltas) == 12 + 1  # a chunk per token, then the held-back tail once generation ends
+    assert deltas[0] == "" and deltas[-1]  # the first token's text could still begin the stop string
+
+
 def test_a_raw_stream_ends_with_done(server):
     with server.client() as client, client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}) as response:
         events = [line for line in response.iter_lines() if line]
