@@ -36,11 +36,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.generation import random_prompts
 from components.runtime import load_engine
 from components.runtime.engine import left_pad
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
-from flows.bench import random_prompts
 from serving.scheduler import Finished, Scheduler, Sequence
 
 CLIENTS, PROMPT_TOKENS, NEW_TOKENS = 16, 32, 32

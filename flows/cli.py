@@ -187,11 +187,12 @@ def promote(
     """Move an alias (default: champion to the current challenger); the move is recorded."""
     from flows.environment import person
     from registry import promote as promote_version
+    from registry import tags
 
     with _one_line_errors():
         target = _registry(params_file)
         info = promote_version(target, to_alias, from_alias, version, by=person(), reason=reason, force=force)
-    forced = " [yellow](gates failed: forced, reason recorded)[/]" if info.tags.get("gates.passed") != "true" else ""
+    forced = " [yellow](gates failed: forced, reason recorded)[/]" if info.tags.get(tags.GATES_PASSED) != tags.TRUE else ""
     render.console.print(f"{info.name}@{to_alias} → version {info.version}{forced}")
 
 
@@ -268,7 +269,7 @@ def bench(
     if ctx.invoked_subcommand is not None:
         return
     _prepare_environment(Path.cwd())
-    from flows import bench as bm
+    from benchmarks import generation as bm  # only bench verbs load benchmarks, and only when run
 
     if shape not in bm.SHAPES:
         _fail(KilnError(f"--shape {shape!r} is not one of {', '.join(bm.SHAPES)}"))
@@ -286,8 +287,8 @@ def bench(
 
 
 def _bench_cuda(work: Path, setup, shape: str, json_path: Path | None) -> None:
-    from flows import bench as bm
-    from flows.bench_cuda import cuda_rows
+    from benchmarks import generation as bm
+    from benchmarks.generation_cuda import cuda_rows
 
     with _one_line_errors():
         results = cuda_rows(work, setup, shape)
@@ -313,7 +314,7 @@ def bench_serving(
     """The server under concurrent clients: continuous batching vs one request at a time."""
     root = Path.cwd()
     _prepare_environment(root)
-    from flows import bench_serving as bs
+    from benchmarks import serving_load as bs
 
     setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
     with _one_line_errors():
@@ -330,12 +331,12 @@ def bench_serving(
 def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], gpt2_small: bool) -> dict[str, Path]:
     found = {path.name: path.resolve() for path in engines}
     if not found:
-        from flows.serving import promoted_engine
+        from benchmarks.serving_load import promoted_engine
 
         label, path = promoted_engine(root, _load(params_file))
         found[label] = path
     if gpt2_small:
-        from flows import bench as bm
+        from benchmarks import generation as bm
 
         found["gpt2-small int8"] = bm.benchmark_engines(Path(".kiln/bench/gpt2-small"), ["int8"], bm.BenchSetup())[1]["int8"]
     return found

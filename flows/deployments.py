@@ -204,11 +204,11 @@ def fastest_passing_version(registry: RegistryTarget, model_sha256: str, data_md
     """The pool's challenger: of this model's and data's versions, whichever machine built
     them, the one with the lowest median latency that passed its gates and is not worse
     than the champion (the same rule as `flows.pipeline.choose_challenger`)."""
-    from registry import versions_tagged
+    from registry import tags, versions_tagged
 
-    versions = versions_tagged(registry, {"source_model_sha256": model_sha256, "data_md5": data_md5, "gates.passed": "true"})
-    eligible = [v for v in versions if v.tags.get("gates.champion.passed") != "false"]
-    return min(eligible, key=lambda v: float(v.tags["gates.latency.p50_ms"]), default=None)
+    versions = versions_tagged(registry, {tags.SOURCE_MODEL_SHA256: model_sha256, tags.DATA_MD5: data_md5, tags.GATES_PASSED: tags.TRUE})
+    eligible = [v for v in versions if v.tags.get(tags.CHAMPION_GATE_PASSED) != tags.FALSE]
+    return min(eligible, key=lambda v: float(v.tags[tags.gate_number("latency", "p50_ms")]), default=None)
 
 
 @flow(name=VERIFY_PROMOTION)

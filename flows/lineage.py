@@ -12,31 +12,31 @@ from components.engine_dir import EngineDir
 from components.export import ExportedOnnx
 from components.gates import GateReport, GateResult
 from components.model_dir import TrainedModel
-from registry import DatasetRecord, RunLink, RunRecord, VersionInfo
+from registry import DatasetRecord, RunLink, RunRecord, VersionInfo, tags
 
 
 def version_tags(params: Params, engine: EngineDir, report: GateReport, git_commit: str, against_champion: GateResult | None = None) -> dict[str, str]:
     manifest = engine.manifest
-    tags = {
-        "engine_sha256": manifest.engine_sha256,
-        "backend": manifest.backend,
-        "backend_version": manifest.backend_version,
-        "precision": manifest.precision,
-        "target": manifest.target,
-        "data_md5": manifest.lineage.data_md5,
-        "calibration_digest": manifest.lineage.calibration_digest or "none",
-        "source_model_sha256": manifest.lineage.source_model_sha256,
-        "onnx_sha256": manifest.lineage.onnx_sha256,
+    named = {
+        tags.ENGINE_SHA256: manifest.engine_sha256,
+        tags.BACKEND: manifest.backend,
+        tags.BACKEND_VERSION: manifest.backend_version,
+        tags.PRECISION: manifest.precision,
+        tags.TARGET: manifest.target,
+        tags.DATA_MD5: manifest.lineage.data_md5,
+        tags.CALIBRATION_DIGEST: manifest.lineage.calibration_digest or "none",
+        tags.SOURCE_MODEL_SHA256: manifest.lineage.source_model_sha256,
+        tags.ONNX_SHA256: manifest.lineage.onnx_sha256,
         # Engines from before precisions were built from the fp32 export; torch-cuda's from the model.
-        "precision_onnx_sha256": manifest.lineage.precision_onnx_sha256 or ("none" if manifest.backend == "torch-cuda" else manifest.lineage.onnx_sha256),
-        "git_commit": git_commit,
-        "params_sha256": params.digest(),
-        "gates.passed": str(report.passed).lower(),
-    } | ({"gates.measured_on": report.machine} if report.machine else {}) | {f"runtime.{name}": value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
+        tags.PRECISION_ONNX_SHA256: manifest.lineage.precision_onnx_sha256 or ("none" if manifest.backend == "torch-cuda" else manifest.lineage.onnx_sha256),
+        tags.GIT_COMMIT: git_commit,
+        tags.PARAMS_SHA256: params.digest(),
+        tags.GATES_PASSED: tags.flag(report.passed),
+    } | ({tags.GATES_MEASURED_ON: report.machine} if report.machine else {}) | {tags.runtime(name): value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
     if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
-        tags["gates.champion.passed"] = str(against_champion.passed).lower()
-        tags |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}
-    return tags | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()}
+        named[tags.CHAMPION_GATE_PASSED] = tags.flag(against_champion.passed)
+        named |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}
+    return named | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()}
 
 
 def run_record(
@@ -68,11 +68,11 @@ def run_record(
     return RunRecord(
         params=_flatten(params.model_dump(mode="json")),
         metrics=metrics,
-        version_tags=version_tags(params, engine, report, git_commit, against_champion) | ({"training_run_id": training.run_id} if training else {}),
+        version_tags=version_tags(params, engine, report, git_commit, against_champion) | ({tags.TRAINING_RUN_ID: training.run_id} if training else {}),
         description=version_description(params, model, engine, report, calibration, git_commit, champion, against_champion, training),
         artifacts=artifacts,
         datasets=tuple(datasets),
-        run_tags={"kiln.training_run_id": training.run_id} if training else {},
+        run_tags={tags.RUN_TRAINING_RUN_ID: training.run_id} if training else {},
     )
 
 
@@ -164,7 +164,7 @@ def _champion_section(report: GateReport, champion: VersionInfo | None) -> list[
         ours, theirs_value = float(f"{value:.6g}"), float(theirs)  # as the tags hold both
         relative = theirs_value and not name.endswith("_pct")  # a percent of a percent says nothing
         change = f"{ours - theirs_value:+.4g}" + (f" ({(ours - theirs_value) / abs(theirs_value):+.1%})" if relative else "")
-        rows.append(f"| {name.removeprefix('gates.')} | {ours:.6g} | {theirs_value:.6g} | {change} |")
+        rows.append(f"| {name.removeprefix(tags.GATES_PREFIX)} | {ours:.6g} | {theirs_value:.6g} | {change} |")
     return [
         f"### Beside the champion (version {champion.version}, at registration)",
         "",

@@ -48,6 +48,7 @@ from registry import (
     promote,
     register_engine,
     registry_target,
+    tags,
 )
 from serving import loader
 
@@ -195,7 +196,7 @@ def _engine_for(
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
     report = gated.report.plus(serving_check(engine, data.texts("eval"), params.gates, params.serving.threads))
     champion = alias_version(target, CHAMPION)
-    is_champion = champion is not None and (champion.tags.get("engine_sha256"), champion.tags.get("profiles_sha256")) == (
+    is_champion = champion is not None and (champion.tags.get(tags.ENGINE_SHA256), champion.tags.get(tags.PROFILES_SHA256)) == (
         engine.sha256, engine.manifest.profiles_sha256
     )
     compared = None

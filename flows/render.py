@@ -142,26 +142,28 @@ def lineage(lineage) -> None:
     """`kiln lineage`: the chain from the data version to the aliases, as a tree."""
     from rich.tree import Tree
 
+    from registry import tags
+
     info, tag = lineage.info, lineage.tag
     aliases = " ".join(f"@{a}" for a in info.aliases) or "no alias"
     root = Tree(f"[bold]{info.name} version {info.version}[/] · {aliases}")
-    data = root.add(f"data version [cyan]{tag('data_md5')}[/]")
-    model = data.add(f"trained model sha256 {tag('source_model_sha256')[:12]}")
+    data = root.add(f"data version [cyan]{tag(tags.DATA_MD5)}[/]")
+    model = data.add(f"trained model sha256 {tag(tags.SOURCE_MODEL_SHA256)[:12]}")
     perplexity = lineage.run_metrics.get("train.eval_perplexity")
     if perplexity is not None:
         model.add(f"eval perplexity {perplexity:.2f}")
-    onnx = model.add(f"ONNX sha256 {tag('onnx_sha256')[:12]}")
-    precision_onnx = onnx.add(f"{tag('precision')} ONNX sha256 {tag('precision_onnx_sha256')[:12]} · calibration {tag('calibration_digest')[:12]}")
+    onnx = model.add(f"ONNX sha256 {tag(tags.ONNX_SHA256)[:12]}")
+    precision_onnx = onnx.add(f"{tag(tags.PRECISION)} ONNX sha256 {tag(tags.PRECISION_ONNX_SHA256)[:12]} · calibration {tag(tags.CALIBRATION_DIGEST)[:12]}")
     engine = precision_onnx.add(
-        f"engine sha256 [cyan]{tag('engine_sha256')[:12]}[/] · {tag('backend')} {tag('backend_version')} · {tag('target')} · profiles {tag('profiles_sha256')[:12]}"
+        f"engine sha256 [cyan]{tag(tags.ENGINE_SHA256)[:12]}[/] · {tag(tags.BACKEND)} {tag(tags.BACKEND_VERSION)} · {tag(tags.TARGET)} · profiles {tag(tags.PROFILES_SHA256)[:12]}"
     )
-    passed = info.tags.get("gates.passed") == "true"
+    passed = info.tags.get(tags.GATES_PASSED) == tags.TRUE
     gates = engine.add(f"gates {'[green]passed[/]' if passed else '[red]FAILED[/]'}")
-    for name in sorted(k for k in info.tags if k.startswith("gates.") and k != "gates.passed"):
-        gates.add(f"{name.removeprefix('gates.')} = {info.tags[name]}")
-    if info.tags.get("promotion.forced_reason"):
-        engine.add(f"[yellow]promotion forced[/] by {tag('promotion.forced_by')} at {tag('promotion.forced_at')}: {tag('promotion.forced_reason')}")
-    built = root.add(f"built from git {tag('git_commit')[:12]} with params sha256 {tag('params_sha256')[:12]} · run {info.run_id}")
+    for name in sorted(k for k in info.tags if k.startswith(tags.GATES_PREFIX) and k != tags.GATES_PASSED):
+        gates.add(f"{name.removeprefix(tags.GATES_PREFIX)} = {info.tags[name]}")
+    if info.tags.get(tags.FORCED_REASON):
+        engine.add(f"[yellow]promotion forced[/] by {tag(tags.FORCED_BY)} at {tag(tags.FORCED_AT)}: {tag(tags.FORCED_REASON)}")
+    built = root.add(f"built from git {tag(tags.GIT_COMMIT)[:12]} with params sha256 {tag(tags.PARAMS_SHA256)[:12]} · run {info.run_id}")
     for move in lineage.moves:
         verb = "became" if move.version == info.version else "stopped being"
         built.add(f"{move.at} {verb} @{move.alias} (by {move.by}{': ' + move.reason if move.reason else ''})")

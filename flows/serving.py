@@ -78,23 +78,3 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
 
         render.note(f"serving on {host} with no {API_KEY_ENV}: anyone who reaches this port can use the model")
     serve(source, settings, host, port or config.port)
-
-
-def promoted_engine(root: Path, params: Params) -> tuple[str, Path]:
-    """The champion's verified engine directory (else the challenger's), pulled into the
-    serving cache as `kiln serve` pulls it: what the serving benchmark measures."""
-    from components.errors import KilnError, RegistryError
-    from registry import CHALLENGER, CHAMPION
-    from serving.sources import AliasSource
-
-    target = registry_target(params.registry, root)
-    preflight(target)
-    for alias in (CHAMPION, CHALLENGER):
-        source = AliasSource(target, alias, Workspace(root).serving_cache)
-        try:
-            info = source.resolve()
-        except RegistryError:
-            continue
-        engine_dir = source.pull(info).engine_dir
-        return f"{info.name} v{info.version} ({engine_dir.manifest.precision}, @{alias})", engine_dir.path
-    raise KilnError(f"{target.model_name} has no champion or challenger to benchmark: run `kiln run` first, or pass --engine DIR")

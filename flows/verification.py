@@ -22,10 +22,8 @@ from components.gates import GateResult, quality_gate_against
 from components.model_dir import model_from_directory
 from components.runtime.availability import machine_description
 from flows.environment import person
-from registry import RegistryTarget, tag_version
+from registry import RegistryTarget, tag_version, tags
 from serving import loader
-
-PREFIX = "verification."
 
 
 @dataclass(frozen=True)
@@ -41,25 +39,25 @@ class Verification:
     machine: str | None = None  # where the quality gate ran (int8 kernels differ across CPUs)
 
     def tags(self, alias: str, run: str | None) -> dict[str, str]:
-        tags = {
-            "passed": str(self.passed).lower(),
+        checks = {
+            "passed": tags.flag(self.passed),
             "alias": alias,
             "at": datetime.now(UTC).isoformat(timespec="seconds"),
             "by": person(),
         }
         if run:
-            tags["flow_run"] = run
+            checks["flow_run"] = run
         if self.failure:
-            tags["failure"] = self.failure[:4000]  # MLflow's tag value limit is 8000
+            checks["failure"] = self.failure[:4000]  # MLflow's tag value limit is 8000
         if self.data_md5:
-            tags["data_md5"] = self.data_md5
+            checks[tags.DATA_MD5] = self.data_md5
         if self.notes:
-            tags["notes"] = "; ".join(self.notes)[:4000]
+            checks["notes"] = "; ".join(self.notes)[:4000]
         if self.machine:
-            tags["measured_on"] = self.machine
+            checks["measured_on"] = self.machine
         if self.quality is not None:
-            tags.update({f"quality.{name}": f"{value:.6g}" for name, value in self.quality.measured.items()})
-        return {PREFIX + key: value for key, value in tags.items()}
+            checks.update({f"quality.{name}": f"{value:.6g}" for name, value in self.quality.measured.items()})
+        return {tags.verification(key): value for key, value in checks.items()}
 
 
 def verify_version(target: RegistryTarget, version: str, params: Params, root: Path) -> Verification:

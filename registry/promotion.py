@@ -18,11 +18,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 from components.errors import RegistryError, VersionRefused
+from registry import tags
 from registry.records import RegistryTarget, VersionInfo
-from registry.store import CHALLENGER, CHAMPION, _client, _version_info, alias_version, download_version, get_version, resolve_alias, store_lock
-from registry.verify import FORCED_REASON, check_gates, verify_download
-
-FORCED_BY, FORCED_AT = "promotion.forced_by", "promotion.forced_at"
+from registry.store import CHALLENGER, CHAMPION, _client, _version_info, alias_version, download_version, get_version, store_lock, versions_tagged
+from registry.verify import check_gates, verify_download
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class AliasMove:
 
     @property
     def tag(self) -> str:
-        return f"{self.alias}.moves.{self.number:04d}"
+        return tags.alias_move(self.alias, self.number)
 
 
 def promote(
@@ -61,7 +60,7 @@ def promote(
     """
     if force and not (by and reason.strip()):
         raise RegistryError("forcing a promotion needs a reason (--reason TEXT): it is recorded on the version with who and when")
-    info = resolve_alias(target, from_alias) if version is None else get_version(target, version)
+    info = _version_to_move(target, from_alias) if version is None else get_version(target, version)
     forced = _check_or_force(info, force)
     verify_download(info, lambda destination: download_version(target, info.version, destination))
     client = _client(target)
@@ -70,7 +69,7 @@ def promote(
         _call(lambda: client.set_registered_model_alias(target.model_name, to_alias, info.version), f"set {target.model_name}@{to_alias}")
         try:
             if forced:
-                for key, value in {FORCED_REASON: reason.strip(), FORCED_BY: by, FORCED_AT: _now()}.items():
+                for key, value in {tags.FORCED_REASON: reason.strip(), tags.FORCED_BY: by, tags.FORCED_AT: _now()}.items():
                     _call(lambda k=key, v=value: client.set_model_version_tag(target.model_name, info.version, k, v), f"tag version {info.version}")
             if by is not None:
                 _record_move(client, target, to_alias, info.version, previous, by, reason.strip())
@@ -78,6 +77,17 @@ def promote(
             _restore_alias(client, target, to_alias, previous)
             raise
     return _version_info(client, target.model_name, info.version)
+
+
+def _version_to_move(target: RegistryTarget, from_alias: str) -> VersionInfo:
+    """The version `from_alias` names; a RegistryError that says what to do when it names
+    none (the usual first contact: `kiln promote` before any `kiln run`)."""
+    info = alias_version(target, from_alias)
+    if info is not None:
+        return info
+    if not versions_tagged(target, {}):
+        raise RegistryError(f"{target.model_name} has no registered version in {target.tracking_uri} yet: run `kiln run` first (it builds, gates and registers the engines, and sets {CHALLENGER} on one that passed)")
+    raise RegistryError(f"{target.model_name}@{from_alias} names no version: pass --version N, or --from another alias")
 
 
 def rollback(target: RegistryTarget, by: str, alias: str = CHAMPION, reason: str = "") -> tuple[VersionInfo, str]:
@@ -104,17 +114,17 @@ def alias_history(target: RegistryTarget, alias: str) -> list[AliasMove]:
     from mlflow.exceptions import MlflowException
 
     try:
-        tags = _client(target).get_registered_model(target.model_name).tags
+        model_tags = _client(target).get_registered_model(target.model_name).tags
     except MlflowException as err:
         raise RegistryError(f"cannot read {target.model_name}: {err.message}") from err
-    prefix = f"{alias}.moves."
+    prefix = tags.alias_moves_prefix(alias)
     moves = []
-    for key in sorted(k for k in tags if k.startswith(prefix)):
+    for key in sorted(k for k in model_tags if k.startswith(prefix)):
         try:
-            record = json.loads(tags[key])
+            record = json.loads(model_tags[key])
             moves.append(AliasMove(alias=alias, number=int(key.removeprefix(prefix)), **record))
         except (ValueError, TypeError) as err:
-            raise RegistryError(f"the registered model's tag {key} is not a kiln alias move ({err}): {tags[key][:120]!r}") from err
+            raise RegistryError(f"the registered model's tag {key} is not a kiln alias move ({err}): {model_tags[key][:120]!r}") from err
     return moves
 
 

@@ -22,6 +22,7 @@ from components.engine_dir import MANIFEST, EngineManifest
 from components.errors import RegistryError
 from components.files import exclusive_lock, process_alive
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, VersionInfo
+from registry.tags import ENGINE_SHA256, PROFILES_SHA256, RUN_HOST, RUN_KIND, RUN_MODEL_SHA256, RUN_PID
 from registry.target import is_embedded
 
 CHALLENGER = "challenger"
@@ -80,7 +81,7 @@ def engine_identity(engine_dir: Path, engine_sha256: str) -> dict[str, str]:
         manifest = EngineManifest.model_validate_json((engine_dir / MANIFEST).read_text())
     except (OSError, ValueError) as err:
         raise RegistryError(f"cannot read {engine_dir / MANIFEST} to register the engine: {err}") from err
-    return {"engine_sha256": engine_sha256, "profiles_sha256": manifest.profiles_sha256}
+    return {ENGINE_SHA256: engine_sha256, PROFILES_SHA256: manifest.profiles_sha256}
 
 
 def find_version(target: RegistryTarget, identity: dict[str, str]) -> VersionInfo | None:
@@ -169,7 +170,7 @@ def _with_run_link(client, description: str, run_id: str) -> str:
 def _create_run(client, target: RegistryTarget, engine_sha256: str) -> str:
     """A run tagged with who is registering, so a later registration can tell a run whose
     process was killed from one still in progress."""
-    tags = {"kiln.host": socket.gethostname(), "kiln.pid": str(os.getpid())}
+    tags = {RUN_HOST: socket.gethostname(), RUN_PID: str(os.getpid())}
     return client.create_run(_experiment_id(client, target), run_name=f"engine-{engine_sha256[:12]}", tags=tags).info.run_id
 
 
@@ -180,9 +181,9 @@ def _end_abandoned_runs(client, target: RegistryTarget) -> None:
     experiment = client.get_experiment_by_name(target.experiment)
     if experiment is None:
         return
-    query = f"attributes.status = 'RUNNING' and tags.`kiln.host` = '{socket.gethostname()}'"
+    query = f"attributes.status = 'RUNNING' and tags.`{RUN_HOST}` = '{socket.gethostname()}'"
     for run in client.search_runs([experiment.experiment_id], filter_string=query):
-        pid = run.data.tags.get("kiln.pid", "")
+        pid = run.data.tags.get(RUN_PID, "")
         if pid.isdigit() and not process_alive(int(pid)):
             _roll_back(client, target.model_name, run.info.run_id, "KILLED")
 
@@ -206,12 +207,12 @@ def log_training(target: RegistryTarget, model_sha256: str, record: RunRecord) -
     client = _client(target)
     with store_lock(target):
         experiment_id = _experiment_id(client, target)
-        query = f"tags.`kiln.model_sha256` = '{model_sha256}' and attributes.status = 'FINISHED'"
+        query = f"tags.`{RUN_MODEL_SHA256}` = '{model_sha256}' and attributes.status = 'FINISHED'"
         try:
             found = client.search_runs([experiment_id], filter_string=query, max_results=1)
             if found:
                 return RunLink(found[0].info.run_id, experiment_id)
-            tags = {"kiln.model_sha256": model_sha256, "kiln.kind": "training"}
+            tags = {RUN_MODEL_SHA256: model_sha256, RUN_KIND: "training"}
             run_id = client.create_run(experiment_id, run_name=f"train-{model_sha256[:12]}", tags=tags).info.run_id
         except MlflowException as err:
             raise RegistryError(f"cannot log the training run in {target.tracking_uri}: {err.message}") from err
@@ -255,6 +256,7 @@ def _dataset_input(record: DatasetRecord):
     import json
 
     from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT  # MLflow's own tag, not one of kiln's
 
     dataset = Dataset(
         name=record.name,
@@ -263,7 +265,7 @@ def _dataset_input(record: DatasetRecord):
         source=json.dumps({"uri": record.source}),
         profile=json.dumps(record.profile),
     )
-    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", record.context)])
+    return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, record.context)])
 
 
 def _ensure_registered_model(client, name: str) -> None:

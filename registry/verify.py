@@ -14,25 +14,23 @@ from pathlib import Path
 
 from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import EngineError, RegistryError, VersionRefused
+from registry import tags
 from registry.records import VersionInfo
-
-
-FORCED_REASON = "promotion.forced_reason"  # set by `kiln promote --force --reason`
 
 
 def check_gates(info: VersionInfo) -> None:
     """Refuse a version whose gates did not pass, unless a person forced its promotion with a
     recorded reason: kiln never aliases or serves one silently."""
-    if info.tags.get("gates.passed") != "true" and not info.tags.get(FORCED_REASON):
-        raise VersionRefused(f"{_name(info)} is refused: it did not pass its gates (gates.passed tag {info.tags.get('gates.passed')!r})")
+    if info.tags.get(tags.GATES_PASSED) != tags.TRUE and not info.tags.get(tags.FORCED_REASON):
+        raise VersionRefused(f"{_name(info)} is refused: it did not pass its gates ({tags.GATES_PASSED} tag {info.tags.get(tags.GATES_PASSED)!r})")
 
 
 def verified_engine_dir(info: VersionInfo, local: Path) -> EngineDir:
     """The downloaded engine directory, checked against itself (engine.json readable, files
     present, engine file sha256 as engine.json says) and against the version's tag."""
-    expected = info.tags.get("engine_sha256")
+    expected = info.tags.get(tags.ENGINE_SHA256)
     if not expected:
-        raise VersionRefused(f"{_name(info)} is refused: it has no engine_sha256 tag")
+        raise VersionRefused(f"{_name(info)} is refused: it has no {tags.ENGINE_SHA256} tag")
     try:
         engine_dir = load_engine_dir(local)
     except EngineError as err:
@@ -40,7 +38,7 @@ def verified_engine_dir(info: VersionInfo, local: Path) -> EngineDir:
     if engine_dir.sha256 != expected:
         raise VersionRefused(
             f"{_name(info)} is refused: its engine file has sha256 {engine_dir.sha256[:12]}…, "
-            f"the version's engine_sha256 tag says {expected[:12]}…"
+            f"the version's {tags.ENGINE_SHA256} tag says {expected[:12]}…"
         )
     return engine_dir
 

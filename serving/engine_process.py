@@ -5,9 +5,9 @@ events, the event loop) take turns on one interpreter lock: with 16 streaming cl
 two cores a third of the CPU sat idle while the engine thread waited for the lock
 (benchmarks/serving_ceiling.py, the serving issue's notes). vLLM runs its EngineCore in a
 child process for the same reason. Here the child holds the engine and the `Scheduler`
-(continuous batching, sampling, stop strings, detokenizing); the server's side keeps the
-`Scheduler`'s client interface (`submit`, `waiting`, `running`, `close`), so the routes
-do not know which one they talk to.
+(continuous batching, sampling, stop strings, detokenizing); the server's side is the
+`EngineClient` of serving.engine_client (`submit`, `max_waiting`, `alive`, `pid`,
+`close`), the only type the routes, handlers and follower know.
 
 Two one-way pipes carry the traffic. Server → engine: `submit` (the sequences' prompts,
 sampling, stops), `cancel` (a client left) and `close`. Engine → server: `ready` or
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from components.errors import VersionRefused
+from serving.engine_client import EngineLost
 from serving.loader import PulledVersion
 from serving.scheduler import Delta, Event, Failed, Finished, Limits, QueueFull, Scheduler, SchedulerClosed, Sequence
 
@@ -48,10 +49,6 @@ log = logging.getLogger("kiln.serving")
 # pickled on every decode step.
 DELTA, FINISHED, FAILED = 0, 1, 2
 _LOAD_POLL_S = 0.5
-
-
-class EngineLost(SchedulerClosed):
-    """The engine process exited without being asked to."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,8 @@ class RuntimeOptions:
 
 class EngineProcess:
     """A pulled version's engine and scheduler in a child process; see the module docstring.
-    The constructor returns once the engine is warm, or raises VersionRefused."""
+    The constructor returns once the engine is warm, or raises VersionRefused. The HTTP
+    side knows it as an `EngineClient` (serving.engine_client)."""
 
     def __init__(
         self,

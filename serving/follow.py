@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from components.errors import KilnError, RegistryError
 from components.runtime.tokenizer import EngineTokenizer
-from registry import VersionInfo
+from registry import VersionInfo, tags
+from serving.engine_client import EngineClient
 from serving.engine_process import EngineProcess, RuntimeOptions
 from serving.loader import PulledVersion
 from serving.sources import EngineSource
@@ -33,7 +34,7 @@ class NothingToServe(KilnError):
 @dataclass
 class ServedEngine:
     pulled: PulledVersion
-    scheduler: EngineProcess
+    scheduler: EngineClient  # the seam: nothing past start_engine knows the engine runs in a process
     tokenizer: EngineTokenizer
     load_seconds: float
     created: int  # Unix seconds, for OpenAI's `created`
@@ -48,14 +49,14 @@ class ServedEngine:
 
     @property
     def facts(self) -> dict[str, str]:
-        """What the registry and engine.json say this engine is."""
+        """What the registry and engine.json say this engine is, under the registry's tag names."""
         manifest = self.pulled.engine_dir.manifest
         return {
             "model": self.model,
             "version": self.version,
-            "precision": manifest.precision,
-            "backend": manifest.backend,
-            "engine_sha256": self.pulled.engine_dir.sha256,
+            tags.PRECISION: manifest.precision,
+            tags.BACKEND: manifest.backend,
+            tags.ENGINE_SHA256: self.pulled.engine_dir.sha256,
         }
 
 

@@ -18,7 +18,8 @@ from pydantic import ValidationError
 
 from components.errors import ShapeOutOfProfile
 from components.runtime.sampling import Sampling
-from serving.engine_process import EngineLost
+from registry import tags
+from serving.engine_client import EngineLost
 from serving.follow import ServedEngine
 from serving.metrics import ServerMetrics
 from serving.scheduler import Delta, Event, Failed, Finished, QueueFull, SchedulerClosed, Sequence
@@ -234,7 +235,7 @@ def model_list(served: ServedEngine, alias: str | None) -> ModelList:
     facts = served.facts
     card = ModelCard(
         id=served.model, created=served.created, version=served.version, alias=alias,
-        precision=facts["precision"], backend=facts["backend"], engine_sha256=facts["engine_sha256"],
+        precision=facts[tags.PRECISION], backend=facts[tags.BACKEND], engine_sha256=facts[tags.ENGINE_SHA256],
     )  # fmt: skip
     return ModelList(data=[card])
 

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import EngineError, RegistryError, VersionRefused
-from registry import RegistryTarget, VersionInfo, resolve_alias
+from registry import RegistryTarget, VersionInfo, resolve_alias, tags
 from serving.loader import PulledVersion, prune, pull
 
 
@@ -78,7 +78,7 @@ class LocalSource:
         except EngineError as err:
             raise RegistryError(f"{self.path} is not a servable engine directory: {err}") from err
         sha256 = self._verified.sha256
-        return VersionInfo(self.model_name, _local_version(sha256), {"engine_sha256": sha256}, (), None)
+        return VersionInfo(self.model_name, _local_version(sha256), {tags.ENGINE_SHA256: sha256}, (), None)
 
     def pull(self, info: VersionInfo) -> PulledVersion:
         if self._verified is not None and _local_version(self._verified.sha256) == info.version:

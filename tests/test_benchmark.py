@@ -2,7 +2,7 @@
 
 import json
 
-from flows import bench as bm
+from benchmarks import generation as bm
 
 TINY = bm.TINY
 

@@ -111,6 +111,18 @@ def test_a_failing_engine_is_registered_but_never_aliased(registry_target, engin
         resolve_alias(registry_target, CHALLENGER)
 
 
+def test_promote_on_an_empty_registry_says_to_run_kiln_run_first(registry_target):
+    with pytest.raises(RegistryError, match="has no registered version .* yet: run `kiln run` first"):
+        promote(registry_target, CHAMPION, by="someone")
+
+
+def test_promote_from_an_alias_that_names_nothing_says_how_to_choose_a_version(registry_target, engine_dir):
+    register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
+    with pytest.raises(RegistryError, match=f"@{CHALLENGER} names no version: pass --version N"):
+        promote(registry_target, CHAMPION, by="someone")
+    assert aliases_of(registry_target) == {}
+
+
 def test_promote_refuses_a_version_whose_gates_failed(registry_target, engine_dir):
     registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
     with pytest.raises(RegistryError, match="did not pass its gates \\(gates.passed tag 'false'\\)"):

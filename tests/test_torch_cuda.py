@@ -163,7 +163,7 @@ def test_on_the_gpu_greedy_tokens_match_the_pytorch_model_for_32_steps(tmp_path,
     from components.engine_dir import Lineage
     from components.model_dir import load_model
     from components.runtime import open_engine
-    from flows.bench import TINY, benchmark_model_dir
+    from benchmarks.generation import TINY, benchmark_model_dir
 
     model_dir = benchmark_model_dir(tmp_path / "model", TINY)
     lineage = Lineage(source_model_path=str(model_dir), source_model_sha256="random", onnx_sha256="-", data_md5="-")
@@ -191,7 +191,7 @@ def test_on_the_gpu_one_sequence_runs_the_triton_step_and_keeps_the_pytorch_mode
     from components.engine_dir import Lineage
     from components.model_dir import load_model
     from components.runtime import open_engine
-    from flows.bench import TINY, benchmark_model_dir
+    from benchmarks.generation import TINY, benchmark_model_dir
 
     model_dir = benchmark_model_dir(tmp_path / "model", TINY)
     lineage = Lineage(source_model_path=str(model_dir), source_model_sha256="random", onnx_sha256="-", data_md5="-")

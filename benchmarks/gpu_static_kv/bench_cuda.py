@@ -5,7 +5,7 @@ greedy tokens, batch 1 and 16. Variants of one batch size run interleaved (one o
 per round), medians over `--runs` rounds after warm-up. Writes bench.json under --out
 after every section, so a timeout still leaves the finished sections.
 
-    python bench_cuda.py --out DIR [--runs 7] [--budget-s 420]
+    python -m benchmarks.gpu_static_kv.bench_cuda --out DIR [--runs 7] [--budget-s 420]
 """
 
 from __future__ import annotations
@@ -526,7 +526,7 @@ def main() -> None:
         bench.results["hf_static"] = {"skipped": "--skip-hf-static (measured in an earlier run)"}
     elif left > 40 and not SMOKE:
         log(f"hf static+compile in a subprocess, timeout {left}s")
-        cmd = [sys.executable, str(Path(__file__).with_name("hf_static.py")), "--out", str(args.out), "--budget-s", str(left - 10)]
+        cmd = [sys.executable, "-m", "benchmarks.gpu_static_kv.hf_static", "--out", str(args.out), "--budget-s", str(left - 10)]
         try:
             subprocess.run(cmd, timeout=left, check=False)
         except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """HF's own static cache + torch.compile on the GPU, the peer a GPU user would pick.
 
-Run in its own process by bench_cuda.py (a compile can hang or poison the process).
+Run in its own process by bench_cuda.py, as `python -m benchmarks.gpu_static_kv.hf_static`
+(a compile can hang or poison the process).
 Attempts, in order, each timed at batch 1 then batch 16 while the budget lasts:
 
   recipe       model.forward = torch.compile(model.forward, mode="reduce-overhead",
@@ -25,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench_cuda import NEW_TOKENS, build_hf, hf_generate, hf_on, log, prompts, timed
-
-from flows.bench_cuda import StaticCacheLoop
+from benchmarks.generation_cuda import StaticCacheLoop
+from benchmarks.gpu_static_kv.bench_cuda import NEW_TOKENS, build_hf, hf_generate, hf_on, log, prompts, timed
 
 
 class ManualLoop(StaticCacheLoop):

@@ -13,7 +13,7 @@ components.gates.quality_gate. Phases (each writes a JSON under --out):
           alone, a stream against the same request whole, the engine process's metrics,
           then `kiln bench serving` on that engine (both modes).
 
-The speed table itself is `kiln bench --device cuda` (flows/bench_cuda.py).
+The speed table itself is `kiln bench --device cuda` (benchmarks/generation_cuda.py).
 
 Run: bash benchmarks/gpu_static_kv/run_device.sh kiln   (settings in run_device.sh)
 """
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cuda import NEW_TOKENS, PROMPT_LEN, SLOTS, log
 
+from benchmarks.gpu_static_kv.bench_cuda import NEW_TOKENS, PROMPT_LEN, SLOTS, log
 from components.config import ProfileParams, QualityGateParams, ShapeRange
 from components.engine_dir import Lineage, load_engine_dir
 
@@ -106,7 +106,7 @@ def load_phase(bench_work: Path) -> dict:
     results = {}
     for name in ("cold", "warm"):
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, "--load-child", str(engine_path)], capture_output=True, text=True, timeout=400, check=False)
+        done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_static_kv.kiln_engine", "--load-child", str(engine_path)], capture_output=True, text=True, timeout=400, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{name} load failed: {done.stderr[-3000:]}")
         results[name] = json.loads(done.stdout.strip().splitlines()[-1]) | {"process_s": time.perf_counter() - start}

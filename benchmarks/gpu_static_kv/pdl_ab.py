@@ -4,7 +4,7 @@ One process, the GPT-2-small-shaped fp16 engine of `kiln bench --device cuda` lo
 per variant (PDL off or on, tiles), 32 + 128 tokens at batch 1, timed interleaved; every
 variant's greedy tokens must equal the first one's.
 
-    python3 benchmarks/gpu_static_kv/pdl_ab.py --out DIR [--runs 15]
+    python3 -m benchmarks.gpu_static_kv.pdl_ab --out DIR [--runs 15]
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.generation import GPT2_SMALL, BenchSetup, benchmark_model_dir, random_prompts
+from benchmarks.generation_cuda import torch_cuda_engine
 from components.runtime import load_engine
 from components.runtime.sampling import Sampling
-from flows.bench import GPT2_SMALL, BenchSetup, benchmark_model_dir, random_prompts
-from flows.bench_cuda import torch_cuda_engine
 
 # name -> (PDL, tiles set on the step). The last sweep of the session (results/run6); the
 # earlier ones compared PDL on/off with the old tiles (38.3 -> 32.7 ms), whole-row weight

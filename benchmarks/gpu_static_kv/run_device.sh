@@ -5,8 +5,9 @@ set -o pipefail
 cd "$(dirname "$0")"
 export PYTHONUNBUFFERED=1
 ROOT="$(cd ../.. && pwd)"
-# kiln's packages (components.*) from the checkout; the wheels kiln needs and the image lacks
-# (pydantic, evaluate, ...: see README.md) installed from the carried .whl folder.
+# kiln's packages (components.*; benchmarks.*, whose modules the steps run with -m) from the
+# checkout; the wheels kiln needs and the image lacks (pydantic, evaluate, ...: see
+# README.md) installed from the carried .whl folder.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d "$ROOT/.whl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -21,11 +22,11 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/kiln_inductor TRITON_CACHE_DIR=/tmp/kiln_tri
 cat "$OUT/env.txt"
 for step in "$@"; do
   case "$step" in
-    bench) timeout "${BENCH_TIMEOUT:-420}" python3 bench_cuda.py --out "$OUT" --budget-s "${BENCH_BUDGET:-400}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
+    bench) timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.gpu_static_kv.bench_cuda --out "$OUT" --budget-s "${BENCH_BUDGET:-400}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
     kilnbench) (cd "$ROOT" && timeout "${KILNBENCH_TIMEOUT:-400}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 -c 'from flows.cli import main; main()' bench --device cuda --runs "${RUNS:-5}" --work /tmp/kiln-bench --json "$OUT/kiln_bench.json" 2>&1 | tee "$OUT/kiln_bench.log") ;;
-    kiln) timeout "${KILN_TIMEOUT:-500}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 kiln_engine.py --out "$OUT" --kit "$ROOT/.devicekit" --bench-work /tmp/kiln-bench ${KILN_PHASES:+--phases $KILN_PHASES} 2>&1 | tee "$OUT/kiln.log" ;;
-    steps) (cd "$ROOT" && timeout "${STEPS_TIMEOUT:-300}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 benchmarks/gpu_static_kv/serving_steps.py --out "$OUT" 2>&1 | tee "$OUT/steps.log") ;;
-    pdl) (cd "$ROOT" && timeout "${PDL_TIMEOUT:-400}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 benchmarks/gpu_static_kv/pdl_ab.py --out "$OUT" 2>&1 | tee "$OUT/pdl.log") ;;
+    kiln) timeout "${KILN_TIMEOUT:-500}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 -m benchmarks.gpu_static_kv.kiln_engine --out "$OUT" --kit "$ROOT/.devicekit" --bench-work /tmp/kiln-bench ${KILN_PHASES:+--phases $KILN_PHASES} 2>&1 | tee "$OUT/kiln.log" ;;
+    steps) (cd "$ROOT" && timeout "${STEPS_TIMEOUT:-300}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 -m benchmarks.gpu_static_kv.serving_steps --out "$OUT" 2>&1 | tee "$OUT/steps.log") ;;
+    pdl) (cd "$ROOT" && timeout "${PDL_TIMEOUT:-400}" env -u TORCHINDUCTOR_CACHE_DIR -u TRITON_CACHE_DIR python3 -m benchmarks.gpu_static_kv.pdl_ab --out "$OUT" 2>&1 | tee "$OUT/pdl.log") ;;
     test) (cd "$ROOT" && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_torch_cuda.py 2>&1 | tee "$OUT/test.log") ;;
     *) echo "unknown step $step" ;;
   esac

@@ -23,10 +23,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
+    from benchmarks.generation import random_prompts
     from components.engine_dir import load_engine_dir
     from components.runtime import open_engine
     from components.runtime.sampling import Sampling
-    from flows.bench import random_prompts
     from components.runtime.tokenizer import EngineTokenizer
     from serving.scheduler import Finished, Scheduler, Sequence
 

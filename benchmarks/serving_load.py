@@ -29,8 +29,10 @@ import aiohttp
 import httpx
 import numpy as np
 
+from components.config import Params
 from components.engine_dir import load_engine_dir
-from components.errors import KilnError
+from components.errors import KilnError, RegistryError
+from components.workspace import Workspace
 
 MODES = {"one-at-a-time": 1, "continuous-batching": None}  # row name → `kiln serve --max-batch`
 
@@ -92,6 +94,25 @@ def median_rows(rounds: list[ServingRow]) -> list[ServingRow]:
         median = {name: float(np.median([getattr(row, name) for row in mine])) for name in ("requests_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ttft_p50_ms")}
         rows.append(ServingRow(name=key[1], engine=key[0], **median, requests=sum(r.requests for r in mine), failed=sum(r.failed for r in mine), rounds=len(mine)))
     return rows
+
+
+def promoted_engine(root: Path, params: Params) -> tuple[str, Path]:
+    """The champion's verified engine directory (else the challenger's), pulled into the
+    serving cache as `kiln serve` pulls it: what the serving benchmark measures."""
+    from registry import CHALLENGER, CHAMPION, preflight, registry_target
+    from serving.sources import AliasSource
+
+    target = registry_target(params.registry, root)
+    preflight(target)
+    for alias in (CHAMPION, CHALLENGER):
+        source = AliasSource(target, alias, Workspace(root).serving_cache)
+        try:
+            info = source.resolve()
+        except RegistryError:
+            continue
+        engine_dir = source.pull(info).engine_dir
+        return f"{info.name} v{info.version} ({engine_dir.manifest.precision}, @{alias})", engine_dir.path
+    raise KilnError(f"{target.model_name} has no champion or challenger to benchmark: run `kiln run` first, or pass --engine DIR")
 
 
 def write_json(rows: list[ServingRow], setup: ServingBenchSetup, path: Path, rounds: list[ServingRow]) -> None:

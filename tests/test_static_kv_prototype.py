@@ -1,7 +1,5 @@
-"""CPU checks of the static-KV GPT-2 against Hugging Face (fp32, no GPU needed).
-
-Run: .venv/bin/python -m pytest benchmarks/gpu_static_kv/test_cpu.py
-"""
+"""CPU parity of the torch-cuda backend's static-KV GPT-2 (components/runtime/static_kv.py,
+the prototype of benchmarks/gpu_static_kv/) against Hugging Face: fp32, no GPU needed."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flows.bench import GPT2_SMALL, SHAPES, BenchRow, BenchSetup, benchmark_model_dir, random_prompts, rows_from_samples, time_interleaved
+from benchmarks.generation import GPT2_SMALL, SHAPES, BenchRow, BenchSetup, benchmark_model_dir, random_prompts, rows_from_samples, time_interleaved
 
 BATCHES = (1, 16)
 
