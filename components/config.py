@@ -28,9 +28,12 @@ class _Section(BaseModel):
 
 
 class CPythonDocsSource(_Section):
-    """The default corpus: CPython's bundled pydoc topics and stdlib docstrings (offline)."""
+    """The default corpus: CPython's bundled pydoc topics and stdlib docstrings (offline),
+    and text files of your own matched by `glob` (`kiln data add` writes them there; none
+    at first, so the default data is the docs alone)."""
 
     kind: Literal["cpython-docs"] = "cpython-docs"
+    glob: str | None = "corpus/**/*.txt"
 
 
 class TextFilesSource(_Section):

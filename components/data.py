@@ -69,6 +69,8 @@ def documents_from_source(source: CorpusSource, root: Path) -> Iterator[str]:
     """Raw documents of a corpus source, in a deterministic order."""
     if isinstance(source, CPythonDocsSource):
         yield from _cpython_documents()
+        if source.glob:  # the files added to the docs, after them: none at first
+            yield from _text_file_documents(root, source.glob, required=False)
     elif isinstance(source, TextFilesSource):
         yield from _text_file_documents(root, source.glob)
     elif isinstance(source, HFDatasetSource):
@@ -101,33 +103,43 @@ def _docstrings(path: Path) -> Iterator[str]:
                 yield doc
 
 
-def _text_file_documents(root: Path, pattern: str) -> Iterator[str]:
-    for path in corpus_files(root, pattern):
+def _text_file_documents(root: Path, pattern: str, required: bool = True) -> Iterator[str]:
+    for path in corpus_files(root, pattern, required):
         try:
             yield Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise DataError(f"cannot read corpus file {path}: {err}") from err
 
 
-def corpus_files(root: Path, pattern: str) -> list[Path]:
-    """The files a text-files corpus holds, in a deterministic order."""
+def corpus_files(root: Path, pattern: str, required: bool = True) -> list[Path]:
+    """The text files a corpus holds, in a deterministic order; `required`: none is a DataError."""
     paths = sorted(Path(p) for p in glob.glob(str(root / pattern), recursive=True) if Path(p).is_file())
-    if not paths:
+    if not paths and required:
         raise DataError(f"data.source.glob {pattern!r} matched no files under {root}")
     return paths
 
 
+def files_glob(source: CorpusSource) -> str | None:
+    """The glob of a corpus's own text files: a text-files corpus's, or the files added to
+    the Python docs; None for a dataset (or docs with `glob: null`)."""
+    return source.glob if isinstance(source, TextFilesSource | CPythonDocsSource) else None
+
+
 def source_digest(source: CorpusSource, root: Path) -> str | None:
-    """sha256 over a text-files corpus (each file's path and content), so that a grown or
-    edited corpus is a new data version even though params.yaml did not change. None for
-    sources whose content kiln cannot hash cheaply (the Python docs, a dataset)."""
-    if not isinstance(source, TextFilesSource):
+    """sha256 over a corpus's text files (each file's path and content), so that a grown or
+    edited corpus is a new data version even though params.yaml did not change. None where
+    there are none to hash (the Python docs alone, a dataset: their content kiln cannot
+    hash cheaply)."""
+    pattern = files_glob(source)
+    if pattern is None:
         return None
-    lines = [f"{path.relative_to(root).as_posix()} {file_sha256(path)}" for path in corpus_files(root, source.glob)]
-    return text_sha256("\n".join(lines))
+    files = corpus_files(root, pattern, required=isinstance(source, TextFilesSource))
+    if not files:
+        return None
+    return text_sha256("\n".join(f"{path.relative_to(root).as_posix()} {file_sha256(path)}" for path in files))
 
 
-def corpus_folder(source: TextFilesSource, root: Path) -> Path:
+def corpus_folder(source: TextFilesSource | CPythonDocsSource, root: Path) -> Path:
     """Where `kiln data add` puts new files: the glob's folder part (`corpus/**/*.txt` →
     corpus/). Only a glob whose folders are fixed or `**` names one folder to add to."""
     *folders, _ = Path(source.glob).parts
@@ -137,12 +149,13 @@ def corpus_folder(source: TextFilesSource, root: Path) -> Path:
 
 
 def add_to_corpus(paths: list[Path], source: CorpusSource, root: Path) -> list[Path]:
-    """Copy text files into a text-files corpus; returns the files written (a file already
-    there with the same content is skipped). Refuses a source of another kind, a file that
+    """Copy text files into the corpus's text files (a text-files corpus, or the files added
+    to the Python docs); returns the files written (a file already there with the same
+    content is skipped). Refuses a dataset source, a file that
     is not UTF-8 text, a name taken by other content, and a name the glob would not match."""
-    if not isinstance(source, TextFilesSource):
-        raise DataError(f"kiln data add grows a text-files corpus; data.source.kind is {source.kind!r} "
-                        "(set data.source to {kind: text-files, glob: \"corpus/**/*.txt\"} in params.yaml)")  # fmt: skip
+    if files_glob(source) is None:
+        raise DataError(f"kiln data add grows a corpus of text files; data.source is {source.kind!r} with none "
+                        "(set data.source.glob, e.g. \"corpus/**/*.txt\", in params.yaml)")  # fmt: skip
     folder, pattern = corpus_folder(source, root), Path(source.glob).name
     planned: list[tuple[Path, Path]] = []
     for path in paths:

@@ -8,6 +8,7 @@ from components.config import CPythonDocsSource, DataParams, TextFilesSource
 from components.data import (
     DataVersion,
     clean_documents,
+    data_version_from_corpus,
     data_version_from_source,
     documents_from_source,
     dvc_md5,
@@ -35,8 +36,8 @@ def test_a_passage_always_lands_in_the_same_split():
     assert {split_of("some passage", 0.1, 0.1) for _ in range(5)} == {split_of("some passage", 0.1, 0.1)}
 
 
-def test_the_default_corpus_is_cpython_docs_read_offline():
-    passages = clean_documents(documents_from_source(CPythonDocsSource(), root=None), 64, 4000)
+def test_the_default_corpus_is_cpython_docs_read_offline(tmp_path):
+    passages = clean_documents(documents_from_source(CPythonDocsSource(), root=tmp_path), 64, 4000)
     assert sum(map(len, passages)) > 1_500_000
 
 
@@ -68,6 +69,51 @@ def test_deleted_data_is_pulled_back_from_the_remote(tmp_path):
         file.unlink()
     assert data_version_from_source(params, root).md5 == first.md5
     assert first.split_path("eval").is_file()
+
+
+def test_a_grown_corpus_keeps_every_passage_in_the_split_it_had(tmp_path):
+    """A passage's split follows from its content: new files that sort before the old ones
+    (every old passage moves to a later position) move no passage between splits, so the
+    eval split never leaks into training as the corpus grows."""
+    from .conftest import make_project, tiny_params
+
+    root = make_project(tmp_path / "p")
+    params = tiny_params(root).data
+    before = data_version_from_source(params, root)
+    for index, text in enumerate(before.texts("train")[:12]):  # new passages, written before the rest
+        (root / "corpus" / f"0000-new-{index}.txt").write_text(f"A new note number {index}. " + text[::-1])
+    after = data_version_from_corpus(params, root)  # what `kiln data add` versions
+    assert after.md5 != before.md5
+    for split in ("train", "eval", "calibration"):
+        assert set(before.texts(split)) <= set(after.texts(split)), split
+
+
+def test_the_split_of_passages_depends_on_nothing_but_their_text():
+    from components.data import splits_from_passages
+
+    passages = [f"passage number {i}: " + "words " * (i % 7) for i in range(300)]
+    params = DataParams(split={"eval_fraction": 0.1, "calibration_fraction": 0.2})
+    forward = splits_from_passages(passages, params)
+    shuffled = splits_from_passages(passages[::-1][:150] + ["another passage"] * 3 + passages[::-1][150:], params)
+    for name, rows in forward.items():
+        assert set(rows) == set(shuffled[name]) - {"another passage"}, name
+    assert 10 < len(forward["eval"]) < 50 and 35 < len(forward["calibration"]) < 90  # the fractions hold
+
+
+def test_kiln_data_add_grows_the_default_corpus_of_python_docs(tmp_path):
+    """The default params take added text files after the Python docs: the README's
+    walk-through (`kiln data add notes/*.txt`) works without switching corpus first."""
+    from components.data import add_to_corpus, source_digest
+
+    source = CPythonDocsSource()
+    assert source_digest(source, tmp_path) is None  # the docs alone: the data version of a fresh clone
+    note = tmp_path / "note.txt"
+    note.write_text("A note of my own about kiln, long enough to be a passage.")
+    assert add_to_corpus([note], source, tmp_path) == [tmp_path / "corpus" / "note.txt"]
+    assert list(documents_from_source(source, tmp_path))[-1] == note.read_text()
+    assert source_digest(source, tmp_path) is not None  # a new data version
+    with pytest.raises(DataError, match="data.source is 'cpython-docs' with none"):
+        add_to_corpus([note], CPythonDocsSource(glob=None), tmp_path)
 
 
 def test_a_glob_that_matches_nothing_is_a_data_error(project):

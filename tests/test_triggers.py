@@ -101,8 +101,8 @@ def test_kiln_data_add_refuses_what_the_corpus_would_not_read(tmp_path):
     other.write_text("not the first")
     binary.write_bytes(b"\xff\xfe\x00broken")
     markdown.write_text("# a heading")
-    with pytest.raises(DataError, match="data.source.kind is 'cpython-docs'"):
-        add_to_corpus([new], CPythonDocsSource(), tmp_path)
+    with pytest.raises(DataError, match="data.source is 'cpython-docs' with none"):
+        add_to_corpus([new], CPythonDocsSource(glob=None), tmp_path)
     with pytest.raises(DataError, match="already exists with other content"):
         add_to_corpus([other], source, tmp_path)
     with pytest.raises(DataError, match="not a readable UTF-8 text file"):
@@ -144,7 +144,7 @@ def test_the_webhook_receiver_hands_on_signed_alias_events_and_refuses_the_rest(
     [
         (["deploy", "--prefect-url", "http://127.0.0.1:9/api"], "no Prefect server answers at http://127.0.0.1:9/api: start one with `kiln up`"),
         (["worker", "gpu", "--prefect-url", "http://127.0.0.1:9/api"], "no build target 'gpu' in pool.targets (params.yaml has cpu)"),
-        (["data", "add", "notes.txt"], "kiln data add grows a text-files corpus; data.source.kind is 'cpython-docs'"),
+        (["data", "add", "notes.md"], "notes.md does not match '*.txt' of data.source.glob 'corpus/**/*.txt'"),
     ],
 )
 def test_trigger_verbs_refuse_what_cannot_work_with_one_line_and_exit_2(tmp_path, monkeypatch, arguments, message):
@@ -154,7 +154,7 @@ def test_trigger_verbs_refuse_what_cannot_work_with_one_line_and_exit_2(tmp_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text("{}\n")  # every default: the Python docs corpus, pool target cpu
-    (tmp_path / "notes.txt").write_text("a note")
+    (tmp_path / "notes.md").write_text("a note")
     result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 2
     assert " ".join(result.output.split()).startswith(f"error: {message}")
