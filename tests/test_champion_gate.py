@@ -49,3 +49,26 @@ def test_challenger_goes_to_the_fastest_engine_not_worse_than_the_champion():
     assert choose_challenger((fast_but_worse, slow_and_fine)) is slow_and_fine
     assert choose_challenger((fast_but_worse,)) is None
     assert choose_challenger((outcome("int8", 5.0, None), slow_and_fine)).precision == "int8"  # no champion: no comparison
+
+
+def test_the_flow_measures_the_new_engine_against_the_registered_champion_not_itself(project, params, tiny_model, exported, data_version, calibration, engine, engine_dir, registry_target, lenient_latency, tmp_path):
+    """The champion is pulled from the registry: its numbers are its own engine's (here the
+    int8 engine's), not a second reading of the new engine's."""
+    from components.runtime import open_engine
+    from flows.pipeline import compare_with_champion
+    from registry import CHAMPION, promote, register_engine, resolve_alias
+
+    from .conftest import build_engine
+    from .test_registry import record
+
+    int8_dir = build_engine(project, params, tiny_model, exported, data_version, "int8", calibration)
+    promote(registry_target, CHAMPION, version=register_engine(registry_target, int8_dir.path, int8_dir.sha256, record()).version)
+    champion = resolve_alias(registry_target, CHAMPION)
+
+    result = compare_with_champion(engine_dir, champion, data_version, lenient_latency, registry_target, tmp_path / "cache")
+    with open_engine(int8_dir) as int8_engine:
+        int8 = Contender(int8_engine, EngineTokenizer(int8_dir.path))
+        alone = champion_gate(int8, int8, champion.version, data_version.texts("eval"), lenient_latency)
+    assert result.measured["champion_version"] == int(champion.version)
+    assert result.measured["nll_per_char_champion"] == pytest.approx(alone.measured["nll_per_char"], rel=1e-6)
+    assert result.measured["nll_per_char"] != result.measured["nll_per_char_champion"]

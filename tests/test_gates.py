@@ -53,11 +53,20 @@ class FlattenedEngine(Engine):
         return logits * self.scale, present
 
 
-def test_a_perplexity_rise_past_the_limit_fails(engine, reference, windows):
-    strict = QualityGateParams(
-        sequences=8, sequence_length=32, limits={"fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=0.5)}
-    )
-    result = quality_gate(FlattenedEngine(engine, 0.7), reference, windows, strict)
+class ClaimsPrecision(FlattenedEngine):
+    """The flattened engine, its manifest naming another precision: the gate picks its
+    limits by the manifest, as it does for a real fp16 or int8 engine."""
+
+    def __init__(self, inner: Engine, scale: float, precision: str) -> None:
+        super().__init__(inner, scale)
+        self.manifest = self.manifest.model_copy(update={"precision": precision})
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+def test_a_perplexity_rise_past_the_limit_fails(precision, engine, reference, windows):
+    limits = QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=0.5)
+    strict = QualityGateParams(sequences=8, sequence_length=32, limits={p: limits for p in ("fp32", "fp16", "int8")})
+    result = quality_gate(ClaimsPrecision(engine, 0.7, precision), reference, windows, strict)
     assert not result.passed
     assert result.measured["top1_agreement"] == 1.0
     assert result.measured["ppl_increase_pct"] > 0.5

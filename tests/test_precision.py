@@ -98,12 +98,16 @@ def test_fp16_and_int8_engines_pass_their_quality_limits(project, params, tiny_m
         assert result.passed, (precision, result.measured)
 
 
-def int8_quality(name, settings, calibration, project, params, tiny_model, exported, data_version, reference, windows):
+def int8_engine(name, settings, calibration, project, params, tiny_model, exported, data_version):
     from components.build import engine_from_onnx
 
     graph = precision_onnx(exported, "int8", calibration, settings, project / f"precision-{name}")
-    engine_dir = engine_from_onnx(graph, tiny_model, data_version, params.build, project / f"engines-{name}", project)
-    return quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
+    return load_engine(engine_from_onnx(graph, tiny_model, data_version, params.build, project / f"engines-{name}", project).path)
+
+
+def int8_quality(name, settings, calibration, project, params, tiny_model, exported, data_version, reference, windows):
+    engine = int8_engine(name, settings, calibration, project, params, tiny_model, exported, data_version)
+    return quality_gate(engine, reference, windows, params.gates.quality)
 
 
 @pytest.mark.parametrize("variant", ["nothing-float", "both"])
@@ -125,12 +129,23 @@ def test_the_gate_stops_a_badly_made_int8_engine(variant, project, params, tiny_
 
 def test_unrepresentative_calibration_costs_quality_that_the_gate_measures(project, params, tiny_model, exported, data_version, calibration, reference, windows):
     """One token repeated in one-token prompts, no decode steps: the activation ranges of real
-    text are never seen. On the tiny model that costs agreement and perplexity the gate sees
-    (whether it crosses the int8 limits depends on the model: the variants above do)."""
+    text are never seen. On the tiny model that costs accuracy the gate's perplexity sees
+    (whether it crosses the int8 limits depends on the model: the variants above do).
+
+    Measured where int8 kernels differ (AVX2, AVX-512, VNNI), the effect on the logits is
+    large and stable, and so is the perplexity's; top-1 agreement over the gate's 248 tokens
+    moves by one or two tokens either way, so no margin on it holds on every CPU (0.935 vs
+    0.992 on one machine, 0.980 vs 0.984 on another)."""
+    import torch
+
     bad_set = dataclasses.replace(calibration, digest="unrepresentative", prompts=((7,),) * 8, decode_steps=0)
     settings = PrecisionParams(int8=Int8Params(calibration_method="minmax"))
-    curated = int8_quality("curated-minmax", settings, calibration, project, params, tiny_model, exported, data_version, reference, windows)
-    bad = int8_quality("unrepresentative", settings, bad_set, project, params, tiny_model, exported, data_version, reference, windows)
-    # Measured with 7-bit weights: top-1 0.935 vs 0.992, perplexity +0.44 % vs +0.03 %.
-    assert bad.measured["top1_agreement"] < curated.measured["top1_agreement"] - 0.02
-    assert bad.measured["ppl_increase_pct"] > curated.measured["ppl_increase_pct"] + 0.2
+    engines = {name: int8_engine(name, settings, chosen, project, params, tiny_model, exported, data_version) for name, chosen in (("curated-minmax", calibration), ("unrepresentative", bad_set))}
+    with torch.no_grad():
+        ids = torch.from_numpy(windows)
+        model_logits = reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().numpy()
+    error = {name: float(np.abs(engine.score(windows, np.ones_like(windows)) - model_logits).mean()) for name, engine in engines.items()}
+    quality = {name: quality_gate(engine, reference, windows, params.gates.quality).measured for name, engine in engines.items()}
+    # Measured: mean |Δlogits| 0.088 vs 0.012 (7×); perplexity +0.93 % vs −0.05 % (+0.44 vs +0.03 elsewhere).
+    assert error["unrepresentative"] > 3 * error["curated-minmax"], error
+    assert quality["unrepresentative"]["ppl_increase_pct"] > quality["curated-minmax"]["ppl_increase_pct"] + 0.2, quality

@@ -23,6 +23,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from registry import CHAMPION, RegistryTarget, promote, register_engine
@@ -548,6 +549,44 @@ def test_metrics_count_what_clients_received(server):
     info = {k: v for k, v in after.items() if k.startswith("kiln_served_engine_info")}
     assert len(info) == 1 and '"precision": "fp32"' in next(iter(info))
     assert after["kiln_ready"] == 1 and after['kiln_engine_swaps_total{"result": "swapped"}'] == 1
+
+
+class SlowSteps(Engine):
+    """The real engine, each forward pass (prefill or decode step) `seconds` slower: a
+    request's first token then comes one step after arrival, its last after all of them,
+    whatever the machine's speed."""
+
+    def __init__(self, inner: Engine, seconds: float) -> None:
+        super().__init__(inner.engine_dir)
+        self.inner, self.seconds = inner, seconds
+
+    def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
+        time.sleep(self.seconds)
+        return self.inner.forward(input_ids, attention_mask, position_ids, cache, logits_positions)
+
+
+def test_time_to_first_token_records_the_first_token_not_the_whole_request(own_engine, tokenizer):
+    import asyncio
+
+    from serving.handlers import Submitted, observe
+    from serving.metrics import ServerMetrics
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    step_s, new_tokens = 0.05, 12
+    scheduler = Scheduler(SlowSteps(own_engine, step_s), tokenizer, max_waiting=4)
+    done = threading.Event()
+    sequence = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=new_tokens, stop_at_eos=False), lambda e: done.set() if isinstance(e, Finished) else None)
+    job = Submitted([sequence], asyncio.Queue(), started=time.monotonic())
+    scheduler.submit([sequence])
+    assert done.wait(timeout=30) and scheduler.close(timeout=5)
+    metrics = ServerMetrics()
+    observe(job, metrics, "ok")
+    sample = metrics.registry.get_sample_value
+    ttft, whole = sample("kiln_time_to_first_token_seconds_sum"), sample("kiln_request_duration_seconds_sum")
+    tpot = sample("kiln_time_per_output_token_seconds_sum")
+    # The first token needs the prefill (one slow step); the request all 12 steps (≥ 0.6 s).
+    assert step_s <= ttft < whole / 3, (ttft, whole)
+    assert whole >= new_tokens * step_s and tpot >= step_s * 0.9
 
 
 # ---------------------------------------------------------------- following the alias
