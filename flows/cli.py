@@ -355,6 +355,7 @@ def up(
     params_file: ParamsOption = Path("params.yaml"),
     mlflow_port: int = 5000,
     prefect_port: int = 4200,
+    serve_port: Annotated[int | None, typer.Option(help="the port `kiln serve` will listen on, where the MLflow UI's alias changes are sent (default: serving.port)")] = None,
 ) -> None:
     """Local MLflow server (the embedded SQLite store and artifacts) and Prefect server, for the UIs."""
     from flows.servers import serve_uis
@@ -362,7 +363,7 @@ def up(
     root = Path.cwd()
     _prepare_environment(root)
     with _one_line_errors():
-        serve_uis(root, _load(params_file), mlflow_port, prefect_port)
+        serve_uis(root, _load(params_file), mlflow_port, prefect_port, serve_port)
 
 
 @app.command()

@@ -37,7 +37,9 @@ def server_commands(root: Path, params: Params, mlflow_port: int, prefect_port: 
     }
 
 
-def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int) -> None:
+def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int, serve_port: int | None = None) -> None:
+    """`serve_port`: where `kiln serve` will listen (default serving.port), which the
+    MLflow server's webhook is sent to."""
     console = Console()
     commands = server_commands(root, params, mlflow_port, prefect_port)
     registry_target(params.registry, root).artifact_root.mkdir(parents=True, exist_ok=True)
@@ -51,8 +53,9 @@ def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int) -
     console.print(f"MLflow UI  http://127.0.0.1:{mlflow_port}   (models → {params.registry.model_name})")
     console.print(f"Prefect UI http://127.0.0.1:{prefect_port}")
     try:
-        hook = register_serving_webhook(root, params, f"http://127.0.0.1:{mlflow_port}", processes["mlflow"])
+        hook = register_serving_webhook(root, params, f"http://127.0.0.1:{mlflow_port}", processes["mlflow"], serve_port)
         console.print(f"alias changes made in the MLflow UI → {hook} (kiln serve)")
+        console.print(next_steps(mlflow_port, prefect_port, serve_port or params.serving.port, params.serving.port), highlight=False)
         console.print("Ctrl-C stops both.")
         while all(p.poll() is None for p in processes.values()):
             time.sleep(1)
@@ -80,9 +83,25 @@ def webhook_environment(root: Path) -> dict[str, str]:
     }
 
 
-def register_serving_webhook(root: Path, params: Params, mlflow_url: str, process: subprocess.Popen, timeout_s: float = 120) -> str:
+def next_steps(mlflow_port: int, prefect_port: int, serve_port: int, default_serve_port: int) -> str:
+    """What another shell of the project needs to use these servers: Prefect's address for
+    `kiln deploy`, `kiln data add` and `kiln worker` (without it each would start a
+    temporary server of its own and announce to nobody), and the flags whose defaults
+    these ports are not."""
+    mlflow_flag = "" if mlflow_port == 5000 else f" --mlflow-url http://127.0.0.1:{mlflow_port}"
+    port_flag = "" if serve_port == default_serve_port else f" --port {serve_port}"
+    return "\n".join([
+        "in another shell of this project:",
+        f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api",
+        f"  kiln serve{port_flag}      # serves @champion and hears the alias changes above",
+        f"  kiln deploy{mlflow_flag}     # rebuilds on schedule and data changes, verifies promotions",
+    ])  # fmt: skip
+
+
+def register_serving_webhook(root: Path, params: Params, mlflow_url: str, process: subprocess.Popen, serve_port: int | None = None, timeout_s: float = 120) -> str:
     """Once the MLflow server answers, have it POST alias changes to `kiln serve`'s
-    /hooks/mlflow, signed with the project's webhook secret."""
+    /hooks/mlflow (on `serve_port`, default serving.port), signed with the project's
+    webhook secret."""
     from flows.serving import ensure_webhook_secret
     from registry import RegistryTarget, register_alias_webhook
 
@@ -91,7 +110,7 @@ def register_serving_webhook(root: Path, params: Params, mlflow_url: str, proces
         if process.poll() is not None or time.monotonic() > deadline:
             raise KilnError(f"the MLflow server at {mlflow_url} did not start; see its output above")
         time.sleep(0.5)
-    hook = f"http://{reachable_host(params.serving.host)}:{params.serving.port}/hooks/mlflow"
+    hook = f"http://{reachable_host(params.serving.host)}:{serve_port or params.serving.port}/hooks/mlflow"
     target = RegistryTarget(mlflow_url, params.registry.model_name, params.registry.experiment)
     register_alias_webhook(target, hook, ensure_webhook_secret(root))
     return hook

@@ -69,7 +69,8 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
         source = AliasSource(target, alias or config.alias, Workspace(root).serving_cache, keep_versions=config.keep_versions)
     settings = ServerSettings(
         poll_interval_s=config.poll_interval_s if engine is None else 0, max_tokens=config.max_tokens, max_body_bytes=config.max_body_bytes,
-        api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=webhook_secret(root), webhook_max_age_s=config.webhook_max_age_s,
+        api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
+        webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
         runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting),
     )  # fmt: skip
     host = host or config.host

@@ -13,12 +13,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from components.errors import KilnError
 from serving import handlers
 from serving.engine_process import RuntimeOptions
 from serving.follow import AliasFollower, NothingToServe, ServedEngine
@@ -41,7 +43,10 @@ class ServerSettings:
     max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     api_key: str | None = None  # bearer token for /v1/*; None: open
-    webhook_secret: str | None = None  # None: /hooks/mlflow refuses every delivery
+    webhook_secret: str | None = None  # fixed (KILN_WEBHOOK_SECRET); else read from the file below
+    # The secret `kiln up` keeps, read at each delivery: a `kiln serve` started before the
+    # first `kiln up` would otherwise refuse every delivery until restarted.
+    webhook_secret_file: Path | None = None
     webhook_max_age_s: float = 300.0
     runtime: RuntimeOptions = RuntimeOptions()
 
@@ -158,13 +163,12 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
     @app.post("/hooks/mlflow")
     async def mlflow_webhook(request: Request) -> Response:
-        if not settings.webhook_secret:
-            metrics.webhooks.labels("rejected").inc()
-            raise ApiError(401, "this server takes no webhooks: it was started without a webhook secret", type="authentication_error")
         try:
-            event = verified_alias_event(settings.webhook_secret, request.headers, await _body(request, settings.max_body_bytes), time.time(), settings.webhook_max_age_s)
+            secret = _webhook_secret(settings)
+            event = verified_alias_event(secret, request.headers, await _body(request, settings.max_body_bytes), time.time(), settings.webhook_max_age_s)
         except WebhookRejected as err:
             metrics.webhooks.labels("rejected").inc()
+            log.warning("webhook delivery refused: %s", err)  # the sender only logs a 401: say why here
             raise ApiError(401, str(err), type="authentication_error") from None
         ours = event is not None and (event.model, event.alias) == (follower.source.model_name, follower.source.alias)
         metrics.webhooks.labels("followed" if ours else "ignored").inc()
@@ -182,6 +186,17 @@ async def _streamed(engine: ServedEngine, job: handlers.Submitted, metrics: Serv
     finally:  # also when the client disconnects: its sequences leave the batch at the next step
         job.cancel()
         handlers.observe(job, metrics, outcome)
+
+
+def _webhook_secret(settings: ServerSettings) -> str:
+    if settings.webhook_secret:
+        return settings.webhook_secret
+    path = settings.webhook_secret_file
+    secret = path.read_text().strip() if path is not None and path.is_file() else ""
+    if not secret:
+        where = f"KILN_WEBHOOK_SECRET is unset and {path} does not exist yet (`kiln up` writes it)" if path else "it was started without one"
+        raise WebhookRejected(f"this server has no webhook secret to check deliveries with: {where}")
+    return secret
 
 
 def _outcome(err: ApiError) -> str:
@@ -237,8 +252,11 @@ def serve(source: EngineSource, settings: ServerSettings, host: str, port: int) 
     exit 3, so its log is quietened and the error raised for the CLI to print in one line)."""
     import uvicorn
 
+    check_port_free(host, port)  # before the engine loads: uvicorn binds only after the lifespan
     app = create_app(source, settings)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on", timeout_graceful_shutdown=10, access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", log_config=_log_config(), lifespan="on", timeout_graceful_shutdown=10, access_log=False
+    )  # fmt: skip
     startup_failed = lambda: getattr(app.state, "startup_error", None) is not None
     logging.getLogger("uvicorn.error").addFilter(lambda record: not startup_failed())
     try:
@@ -248,3 +266,33 @@ def serve(source: EngineSource, settings: ServerSettings, host: str, port: int) 
             raise
     if startup_failed():
         raise app.state.startup_error
+
+
+class PortTaken(KilnError):
+    """The address `kiln serve` was asked to bind is in use or not ours to bind."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind and release the address as uvicorn will (SO_REUSEADDR, so a socket of a server
+    just stopped in TIME_WAIT does not count as taken); PortTaken naming it otherwise."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise PortTaken(f"cannot serve on {host}:{port}: {err.strerror or err} (another server there? choose one with --port)") from None
+
+
+def _log_config() -> dict:
+    """uvicorn's logging, with kiln's serving log on the same handler: which version is
+    served, each swap and each refusal reach the terminal (unconfigured, INFO is dropped)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["kiln"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config

@@ -101,14 +101,14 @@ def answers(url: str) -> bool:
 
 
 @contextmanager
-def kiln_up(root: Path) -> Iterator[SimpleNamespace]:
+def kiln_up(root: Path, *flags: str) -> Iterator[SimpleNamespace]:
     """`kiln up` in a project, as a user starts it: both servers must answer; yields their
     URLs and an environment whose kiln verbs talk to its Prefect server (so no run starts a
     temporary one); SIGTERM on the way out must stop both."""
     mlflow_port, prefect_port = free_port(), free_port()
     log = (root / "kiln-up.log").open("w")  # a file, not a pipe nobody reads: the servers are chatty
     up = subprocess.Popen(
-        [KILN, "up", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)],
+        [KILN, "up", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port), *flags],
         cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     health = {"mlflow": f"http://127.0.0.1:{mlflow_port}/health", "prefect": f"http://127.0.0.1:{prefect_port}/api/health"}

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from components.config import ServingParams, load_params
+from components.config import ServingParams
 from flows.cli import app
 
 from .conftest import make_project, tiny_params
@@ -106,8 +106,17 @@ def served(tmp_path_factory):
     """A project under `kiln up` (both servers answering, stopped by SIGTERM at the end)."""
     root = make_project(tmp_path_factory.mktemp("cli") / "p")
     write_params(root / "params.yaml", tiny_params(root, serving=ServingParams(port=free_port(), poll_interval_s=1)))
-    with kiln_up(root) as up:
+    serve_port = free_port()  # not serving.port: `kiln up --serve-port` says where kiln serve will listen
+    with kiln_up(root, "--serve-port", str(serve_port)) as up:
+        up.serve_port = serve_port
         yield up
+
+
+def test_kiln_up_prints_what_another_shell_of_the_project_needs(served):
+    log = (served.root / "kiln-up.log").read_text()
+    assert f"alias changes made in the MLflow UI → http://127.0.0.1:{served.serve_port}/hooks/mlflow" in log
+    assert f"export PREFECT_API_URL={served.prefect}/api" in log
+    assert f"kiln serve --port {served.serve_port}" in log and f"kiln deploy --mlflow-url {served.mlflow}" in log
 
 
 def kiln_in(served, *args: str) -> subprocess.CompletedProcess:
@@ -145,15 +154,19 @@ def test_kiln_serve_answers_with_the_champion_and_hears_alias_changes_from_the_m
     from openai import OpenAI
 
     assert kiln_in(served, "promote").returncode == 0
-    port = load_params(served.root / "params.yaml").serving.port
+    port = served.serve_port
     url = f"http://127.0.0.1:{port}"
     log = (served.root / "kiln-serve.log").open("w")
-    server = subprocess.Popen([KILN, "serve"], cwd=served.root, env=served.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen([KILN, "serve", "--port", str(port)], cwd=served.root, env=served.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120  # imports, pull, engine process, warm-up: slow on a busy 2-core CI machine
         while not answers(f"{url}/readyz"):
             assert server.poll() is None and time.monotonic() < deadline, (served.root / "kiln-serve.log").read_text()[-3000:]
             time.sleep(0.3)
+        assert "serving kiln-tiny version 1 (onnxruntime fp32)" in (served.root / "kiln-serve.log").read_text()
+        second = kiln_in(served, "serve", "--port", str(port))  # the port is taken: said before any engine loads
+        assert second.returncode == 2 and second.stderr.count("error:") == 1, second.stderr[-2000:]
+        assert f"cannot serve on 127.0.0.1:{port}" in second.stderr and "Traceback" not in second.stderr
         (card,) = get_json(f"{url}/v1/models")["data"]
         version = get_json(f"{served.mlflow}/api/2.0/mlflow/model-versions/get?name=kiln-tiny&version=1")["model_version"]
         assert card["version"] == "1" and card["alias"] == "champion"

@@ -704,6 +704,19 @@ def test_a_signed_fresh_delivery_is_accepted(server):
     assert response.status_code == 200 and response.json()["followed"] is True
 
 
+def test_a_secret_that_kiln_up_writes_after_the_server_started_is_picked_up(store, tmp_path, caplog):
+    """`kiln serve` before the first `kiln up`: deliveries are refused, with the reason in
+    the server's log, until the secret file appears; then they are checked with it."""
+    secret_file = tmp_path / "webhook.secret"
+    with caplog.at_level("WARNING", logger="kiln.serving"), LiveServer(store.app(webhook_secret=None, webhook_secret_file=secret_file)) as live:
+        refused = httpx.post(f"{live.url}/hooks/mlflow", content=ALIAS_BODY, headers=signed(ALIAS_BODY))
+        secret_file.write_text(SECRET + "\n")
+        accepted = httpx.post(f"{live.url}/hooks/mlflow", content=ALIAS_BODY, headers=signed(ALIAS_BODY, delivery="d-2"))
+    assert refused.status_code == 401 and str(secret_file) in refused.json()["error"]["message"]
+    assert any("webhook delivery refused" in r.getMessage() and str(secret_file) in r.getMessage() for r in caplog.records)
+    assert accepted.status_code == 200 and accepted.json()["followed"] is True
+
+
 @pytest.fixture()
 def mlflow_server(fresh_store):
     with running_mlflow_server(fresh_store.target.tracking_uri, fresh_store.target.artifact_root) as url:
