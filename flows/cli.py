@@ -9,7 +9,6 @@ files, unreachable registry).
 from __future__ import annotations
 
 import faulthandler
-import logging
 import os
 import signal
 import sys
@@ -113,9 +112,10 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
         shutil.rmtree(Workspace(root).state / "stages", ignore_errors=True)
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     # Imported only now: Prefect reads PREFECT_TASKS_REFRESH_CACHE when the tasks are defined.
+    from flows.logs import hide_kiln_tracebacks
     from flows.pipeline import retrain_and_rebuild
 
-    _hide_kiln_tracebacks()
+    hide_kiln_tracebacks()
     try:
         return retrain_and_rebuild(params, root, model_dir)
     except GateFailed as err:
@@ -131,22 +131,6 @@ def _model_to_build(model_dir: Path | None, params) -> Path:
     model_dir = (model_dir or Path(params.model.pretrained)).resolve()
     check_model_directory(model_dir)
     return model_dir
-
-
-class _NoKilnTracebacks(logging.Filter):
-    """A KilnError's message already says what was wrong; Prefect's console would add a
-    traceback for the task and again for the flow."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], KilnError):
-            record.exc_info = None
-            record.exc_text = None
-        return True
-
-
-def _hide_kiln_tracebacks() -> None:
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_NoKilnTracebacks())
 
 
 @app.command()

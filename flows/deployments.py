@@ -29,9 +29,10 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Failed, State
 
 from components.config import CONTROL_QUEUE, Params, load_params
-from components.errors import KilnError
+from components.errors import GateFailed, KilnError
 from flows.events import ALIAS_SET, DATA_CHANGED, data_resource, registry_resource
 from registry import RegistryTarget, VersionInfo
 
@@ -42,9 +43,11 @@ WAITING = ("SCHEDULED", "PENDING")  # AwaitingConcurrencySlot is a SCHEDULED sta
 def _project(project: str, params_file: str) -> tuple[Path, Params]:
     """A flow run's project root and params, with kiln's environment set for that project."""
     from flows.environment import prepare_environment
+    from flows.logs import hide_kiln_tracebacks
 
     root = Path(project)
     prepare_environment(root)
+    hide_kiln_tracebacks()  # in the flow run's process: its failures print as their one-line messages
     return root, load_params(root / params_file)
 
 
@@ -61,9 +64,19 @@ def rebuild(project: str, params_file: str = "params.yaml", reason: str = "start
     get_run_logger().info("rebuild: %s", reason)
     if dispatch:
         return _rebuild_on_targets(root, project, params_file, params)
-    result = retrain_and_rebuild(params, root)
+    try:
+        result = retrain_and_rebuild.fn(params, root)  # its tasks run in this flow run: one run to read, not two
+    except GateFailed as err:
+        return gates_failed(err)
     chosen = result.challenger
     return f"data {result.data.md5[:12]}: " + (f"version {chosen.registration.version} @challenger" if chosen else "no challenger")
+
+
+def gates_failed(err: GateFailed) -> State:
+    """A failed gate is a rebuild's outcome, not a crash: the run ends Failed with the
+    failing numbers as its one state message, instead of a traceback for every flow it
+    passed through (the failing engine is registered, never aliased)."""
+    return Failed(message=str(err))
 
 
 def _is_main_thread() -> bool:
@@ -157,7 +170,10 @@ def build_engines(project: str, target: str, params_file: str = "params.yaml") -
     from flows.pipeline import retrain_and_rebuild
 
     root, params = _project(project, params_file)
-    result = retrain_and_rebuild(for_target(params, target), root, choose=False)
+    try:
+        result = retrain_and_rebuild.fn(for_target(params, target), root, choose=False)
+    except GateFailed as err:
+        return gates_failed(err)
     return "; ".join(f"{o.precision}: version {o.registration.version}" for o in result.outcomes)
 
 

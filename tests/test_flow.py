@@ -1,5 +1,6 @@
 """The retrain-and-rebuild flow under Prefect's test harness, on a temporary MLflow store."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,26 @@ def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_
 
     with pytest.raises(RegistryError):
         resolve_alias(registry_target(params.registry, flow_project), CHALLENGER)
+
+
+def test_a_triggered_rebuild_whose_gate_fails_ends_failed_with_the_numbers_and_no_traceback(flow_project, caplog):
+    """The rebuild deployment's flow, as `kiln deploy` runs it: a failed gate is its outcome,
+    said once in the run's final state, not three tracebacks on the deploy terminal."""
+    import logging
+
+    import yaml
+
+    from flows.deployments import rebuild
+
+    params = tiny_params(flow_project).model_dump(mode="json")
+    params["gates"]["latency"]["max_p95_ms"] = 1e-6
+    params["registry"]["model_name"] = "kiln-rebuilt-too-slow"
+    (flow_project / "strict.yaml").write_text(yaml.safe_dump(params))
+    with caplog.at_level(logging.INFO):
+        state = rebuild(project=str(flow_project), params_file="strict.yaml", return_state=True)
+    assert state.is_failed() and re.fullmatch(r"gates failed for fp32 \(version 1\): latency: p95_ms \S+ \(limit <= 1e-06\)", state.message)
+    assert not [r for r in caplog.records if r.exc_info or r.exc_text], "a traceback was logged"
+    assert sum("gates failed for fp32" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_that_passed(flow_project):
