@@ -115,7 +115,10 @@ def kiln_up(root: Path, *flags: str) -> Iterator[SimpleNamespace]:
     deadline = time.monotonic() + 120
     while not all(map(answers, health.values())) and time.monotonic() < deadline and up.poll() is None:
         time.sleep(0.5)
-    if not all(map(answers, health.values())):
+    # Ready when it says so: the webhook to kiln serve is registered after MLflow answers.
+    while "Ctrl-C stops both" not in (root / "kiln-up.log").read_text() and time.monotonic() < deadline and up.poll() is None:
+        time.sleep(0.5)
+    if not all(map(answers, health.values())) or "Ctrl-C stops both" not in (root / "kiln-up.log").read_text():
         up.kill()
         raise RuntimeError(f"kiln up did not bring both servers up (exit {up.wait()}): {(root / 'kiln-up.log').read_text()[-3000:]}")
     env = os.environ | {"PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}

@@ -36,9 +36,12 @@ def test_a_passage_always_lands_in_the_same_split():
     assert {split_of("some passage", 0.1, 0.1) for _ in range(5)} == {split_of("some passage", 0.1, 0.1)}
 
 
-def test_the_default_corpus_is_cpython_docs_read_offline(tmp_path):
-    passages = clean_documents(documents_from_source(CPythonDocsSource(), root=tmp_path), 64, 4000)
-    assert sum(map(len, passages)) > 1_500_000
+def test_the_default_corpus_is_cpython_docs_read_offline_then_the_files_added_to_it(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "note.txt").write_text("A note of my own about kiln, long enough to be a passage.")
+    documents = list(documents_from_source(CPythonDocsSource(), root=tmp_path))
+    assert documents[-1] == (tmp_path / "corpus" / "note.txt").read_text()
+    assert sum(map(len, clean_documents(documents, 64, 4000))) > 1_500_000
 
 
 def test_data_is_split_saved_and_versioned_by_dvc(project, data_version: DataVersion):
@@ -110,7 +113,6 @@ def test_kiln_data_add_grows_the_default_corpus_of_python_docs(tmp_path):
     note = tmp_path / "note.txt"
     note.write_text("A note of my own about kiln, long enough to be a passage.")
     assert add_to_corpus([note], source, tmp_path) == [tmp_path / "corpus" / "note.txt"]
-    assert list(documents_from_source(source, tmp_path))[-1] == note.read_text()
     assert source_digest(source, tmp_path) is not None  # a new data version
     with pytest.raises(DataError, match="data.source is 'cpython-docs' with none"):
         add_to_corpus([note], CPythonDocsSource(glob=None), tmp_path)
