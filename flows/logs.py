@@ -2,12 +2,16 @@
 
 Its console and API handlers print an exception's traceback for every task and flow it
 passes through; a KilnError's message already says what was asked and what was found, so
-its traceback is dropped (other exceptions, bugs, keep theirs).
+its traceback is dropped (other exceptions, bugs, keep theirs). So is that of FailedRun,
+which a deployment's flow-run process raises after any run that ended Failed: its message
+is the run's final state message, logged on the line before.
 """
 
 from __future__ import annotations
 
 import logging
+
+from prefect.exceptions import FailedRun
 
 from components.errors import KilnError
 
@@ -18,7 +22,7 @@ _PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
 class NoKilnTracebacks(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], KilnError):
+        if record.exc_info and isinstance(record.exc_info[1], KilnError | FailedRun):
             record.exc_info = None
             record.exc_text = None
         return True

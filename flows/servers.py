@@ -40,7 +40,7 @@ def server_commands(root: Path, params: Params, mlflow_port: int, prefect_port: 
 def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int, serve_port: int | None = None) -> None:
     """`serve_port`: where `kiln serve` will listen (default serving.port), which the
     MLflow server's webhook is sent to."""
-    console = Console()
+    console = Console(soft_wrap=True)  # addresses and commands to copy whole, whatever the width
     commands = server_commands(root, params, mlflow_port, prefect_port)
     registry_target(params.registry, root).artifact_root.mkdir(parents=True, exist_ok=True)
     # A TERM (from a supervisor, or `timeout`) must still stop both servers below.
@@ -90,12 +90,13 @@ def next_steps(mlflow_port: int, prefect_port: int, serve_port: int, default_ser
     these ports are not."""
     mlflow_flag = "" if mlflow_port == 5000 else f" --mlflow-url http://127.0.0.1:{mlflow_port}"
     port_flag = "" if serve_port == default_serve_port else f" --port {serve_port}"
-    return "\n".join([
-        "in another shell of this project:",
-        f"  export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api",
-        f"  kiln serve{port_flag}      # serves @champion and hears the alias changes above",
-        f"  kiln deploy{mlflow_flag}     # rebuilds on schedule and data changes, verifies promotions",
-    ])  # fmt: skip
+    lines = {
+        f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api": "kiln deploy, kiln data add and kiln worker reach Prefect here",
+        f"kiln serve{port_flag}": "serves @champion and hears the alias changes above",
+        f"kiln deploy{mlflow_flag}": "rebuilds on schedule and data changes, verifies promotions",
+    }
+    width = max(map(len, lines))
+    return "\n".join(["in another shell of this project:", *(f"  {line.ljust(width)}  # {why}" for line, why in lines.items())])
 
 
 def register_serving_webhook(root: Path, params: Params, mlflow_url: str, process: subprocess.Popen, serve_port: int | None = None, timeout_s: float = 120) -> str:

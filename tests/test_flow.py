@@ -286,3 +286,23 @@ def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_cha
 
 def version_tags_of(client, version: str) -> dict[str, str]:
     return client.get_model_version("kiln-pages", version).tags
+
+
+def test_the_log_filter_drops_the_tracebacks_of_kiln_errors_and_failed_runs_only():
+    """A deployment's flow-run process logs FailedRun after any failed run (its message is
+    the state's, logged the line before); a bug's traceback must still be printed."""
+    import logging
+    import sys
+
+    from prefect.exceptions import FailedRun
+
+    from flows.logs import NoKilnTracebacks
+
+    def record_of(error: Exception) -> logging.LogRecord:
+        try:
+            raise error
+        except Exception:
+            return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+
+    kept = {type(e).__name__: NoKilnTracebacks().filter(r) and r.exc_info is not None for e in (GateFailed("gates failed", None), FailedRun("gates failed"), KeyError("bug")) for r in [record_of(e)]}
+    assert kept == {"GateFailed": False, "FailedRun": False, "KeyError": True}
