@@ -400,12 +400,12 @@ def data_add(
     params_file: ParamsOption = Path("params.yaml"),
 ) -> None:
     """Add text files to the text-files corpus, version it with DVC (add + push), announce the change to Prefect."""
-    from flows.data_changes import add_data, announce_data_change
+    from flows.data_changes import add_data, announce_data_change, changing_data
     from flows.events import EventNotDelivered
 
     root = Path.cwd()
     _prepare_environment(root)
-    with _one_line_errors():
+    with _one_line_errors(), changing_data(root):
         params = _load(params_file)
         written, change = add_data(root, params, paths)
         render.console.print(f"added {len(written)} file(s) to the corpus" + (f": {', '.join(p.name for p in written)}" if written else " (all were there)"))

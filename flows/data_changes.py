@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 from components.config import Params
 from components.data import add_to_corpus, data_version_from_corpus, dvc_md5
 from components.errors import DataError
-from components.files import atomic_write_text
+from components.files import atomic_write_text, exclusive_lock
 from components.workspace import Workspace
 from flows.events import DATA_CHANGED, announce, data_resource
 
@@ -71,6 +72,20 @@ def announce_data_change(root: Path, params: Params, change: DataChange) -> str:
     return event_id
 
 
+def data_change_lock(root: Path) -> Path:
+    return Workspace(root).state / "triggers" / "data-change.lock"
+
+
+@contextmanager
+def changing_data(root: Path) -> Iterator[None]:
+    """Held by `kiln data add` from versioning the data to recording its announcement, and
+    by the watcher while it compares: otherwise the watcher sees data.dvc move before the
+    announcement is recorded and announces the same version again (two rebuilds for one
+    change). Processes of the project take it in turn (an flock)."""
+    with exclusive_lock(data_change_lock(root)):
+        yield
+
+
 def add_data(root: Path, params: Params, paths: list[Path]) -> tuple[list[Path], DataChange | None]:
     """`kiln data add`: copy the files into the text-files corpus, version the corpus with
     DVC (`dvc add`, and `dvc push` unless data.dvc_push is off); returns the files written
@@ -118,7 +133,8 @@ class DataWatcher:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                if (change := unseen_data_change(self.root, self.params)) is not None:
-                    self.on_change(change)
+                with changing_data(self.root):
+                    if (change := unseen_data_change(self.root, self.params)) is not None:
+                        self.on_change(change)
             except Exception:  # a failed check must not stop the watching; the next one retries
                 _log.exception("checking %s.dvc failed", self.params.data.path)

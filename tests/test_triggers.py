@@ -88,6 +88,35 @@ def test_the_data_watcher_announces_a_moved_data_dvc_once_and_only_after_a_run(t
     assert unseen_data_change(tmp_path, params) is None  # announced once
 
 
+def test_the_watcher_leaves_a_change_to_kiln_data_add_until_it_is_announced(tmp_path):
+    """`kiln data add` (another process, holding the data-change lock) has versioned new
+    data but not yet recorded its announcement: the watcher must not announce it again."""
+    import fcntl
+
+    from flows.data_changes import DataWatcher, data_change_lock, record_run_data
+
+    def data_dvc(md5: str) -> None:
+        (tmp_path / "data.dvc").write_text(yaml.safe_dump({"outs": [{"md5": md5, "path": "data"}]}))
+
+    data_dvc("aaa.dir")
+    record_run_data(tmp_path, "aaa.dir")
+    seen = []
+    watcher = DataWatcher(tmp_path, tiny_params(tmp_path), 0.05, seen.append).start()
+    with data_change_lock(tmp_path).open("w") as held:  # a description of its own: flock conflicts as across processes
+        fcntl.flock(held, fcntl.LOCK_EX)
+        data_dvc("bbb.dir")
+        time.sleep(0.5)
+        assert seen == []
+        (tmp_path / ".kiln" / "triggers" / "announced-data.json").write_text(json.dumps({"md5": "bbb.dir"}))
+        fcntl.flock(held, fcntl.LOCK_UN)
+    data_dvc("ccc.dir")  # a change nobody announces: the watcher's
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watcher.stop()
+    assert seen and {change.md5 for change in seen} == {"ccc.dir"}
+
+
 def test_kiln_data_add_refuses_what_the_corpus_would_not_read(tmp_path):
     from components.config import CPythonDocsSource, TextFilesSource
     from components.data import add_to_corpus
