@@ -399,7 +399,7 @@ def data_add(
     paths: Annotated[list[Path], typer.Argument(help="text files to add to the corpus")],
     params_file: ParamsOption = Path("params.yaml"),
 ) -> None:
-    """Add text files to the text-files corpus, version it with DVC (add + push), announce the change to Prefect."""
+    """Add text files to the corpus (data.source.glob), version it with DVC (add + push), announce the change to Prefect."""
     from flows.data_changes import add_data, announce_data_change, changing_data
     from flows.events import EventNotDelivered
 

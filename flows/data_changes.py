@@ -87,7 +87,7 @@ def changing_data(root: Path) -> Iterator[None]:
 
 
 def add_data(root: Path, params: Params, paths: list[Path]) -> tuple[list[Path], DataChange | None]:
-    """`kiln data add`: copy the files into the text-files corpus, version the corpus with
+    """`kiln data add`: copy the files into the corpus (data.source.glob), version the corpus with
     DVC (`dvc add`, and `dvc push` unless data.dvc_push is off); returns the files written
     and the change (None when the data version did not move)."""
     dvc_file = (root / params.data.path).with_suffix(".dvc")
