@@ -41,6 +41,7 @@ def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int, s
     """`serve_port`: where `kiln serve` will listen (default serving.port), which the
     MLflow server's webhook is sent to."""
     console = Console(soft_wrap=True)  # addresses and commands to copy whole, whatever the width
+    serve_port = serve_port or params.serving.port
     commands = server_commands(root, params, mlflow_port, prefect_port)
     registry_target(params.registry, root).artifact_root.mkdir(parents=True, exist_ok=True)
     # A TERM (from a supervisor, or `timeout`) must still stop both servers below.
@@ -55,7 +56,7 @@ def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int, s
     try:
         hook = register_serving_webhook(root, params, f"http://127.0.0.1:{mlflow_port}", processes["mlflow"], serve_port)
         console.print(f"alias changes made in the MLflow UI → {hook} (kiln serve)")
-        console.print(next_steps(mlflow_port, prefect_port, serve_port or params.serving.port, params.serving.port), highlight=False)
+        console.print(next_steps(mlflow_port, prefect_port, serve_port, params.serving.port), highlight=False)
         console.print("Ctrl-C stops both.")
         while all(p.poll() is None for p in processes.values()):
             time.sleep(1)
@@ -99,10 +100,9 @@ def next_steps(mlflow_port: int, prefect_port: int, serve_port: int, default_ser
     return "\n".join(["in another shell of this project:", *(f"  {line.ljust(width)}  # {why}" for line, why in lines.items())])
 
 
-def register_serving_webhook(root: Path, params: Params, mlflow_url: str, process: subprocess.Popen, serve_port: int | None = None, timeout_s: float = 120) -> str:
+def register_serving_webhook(root: Path, params: Params, mlflow_url: str, process: subprocess.Popen, serve_port: int, timeout_s: float = 120) -> str:
     """Once the MLflow server answers, have it POST alias changes to `kiln serve`'s
-    /hooks/mlflow (on `serve_port`, default serving.port), signed with the project's
-    webhook secret."""
+    /hooks/mlflow on `serve_port`, signed with the project's webhook secret."""
     from flows.serving import ensure_webhook_secret
     from registry import RegistryTarget, register_alias_webhook
 
@@ -111,7 +111,7 @@ def register_serving_webhook(root: Path, params: Params, mlflow_url: str, proces
         if process.poll() is not None or time.monotonic() > deadline:
             raise KilnError(f"the MLflow server at {mlflow_url} did not start; see its output above")
         time.sleep(0.5)
-    hook = f"http://{reachable_host(params.serving.host)}:{serve_port or params.serving.port}/hooks/mlflow"
+    hook = f"http://{reachable_host(params.serving.host)}:{serve_port}/hooks/mlflow"
     target = RegistryTarget(mlflow_url, params.registry.model_name, params.registry.experiment)
     register_alias_webhook(target, hook, ensure_webhook_secret(root))
     return hook

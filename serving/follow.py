@@ -117,7 +117,7 @@ class AliasFollower:
         self._refused.discard(info.version)
         self._on_event("swapped", new, new.load_seconds)
         was = f", swapped in for version {old.version}" if old is not None else ""
-        log.info("serving %s version %s (%s %s), loaded in %.2f s%s", new.model, new.version, new.facts["backend"], new.facts["precision"], new.load_seconds, was)
+        log.info("serving %s version %s (%s %s), loaded in %.2f s%s", new.model, new.version, new.facts[tags.BACKEND], new.facts[tags.PRECISION], new.load_seconds, was)
         if old is not None:
             threading.Thread(target=self._retire, args=(old,), name="kiln-retire", daemon=True).start()
         return "swapped"
