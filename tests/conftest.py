@@ -7,6 +7,7 @@ module imports prefect or transformers, so nothing is written to the user's home
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -216,12 +217,38 @@ def reference(tiny_model):
     return load_model(tiny_model.path)
 
 
+@functools.cache
+def _made_mlflow_database() -> Path:
+    """An empty MLflow store with every table MLflow makes for a new SQLite file, made once
+    per worker: those migrations take 3–4 s, and the suite opens dozens of new stores."""
+    from mlflow import MlflowClient
+
+    database = _SESSION_HOME / "empty-mlflow.db"
+    client = MlflowClient(f"sqlite:///{database}")
+    client.search_experiments()  # the tracking store's tables and its Default experiment
+    client.search_registered_models()  # the registry's
+    return database
+
+
+def new_mlflow_store(database: Path) -> str:
+    """The sqlite URI of a new, empty MLflow store at `database` (a copy of the one MLflow
+    made above): what MLflow would make there, without its migrations each time."""
+    database.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_made_mlflow_database(), database)
+    return f"sqlite:///{database}"
+
+
+def new_project_store(root: Path) -> None:
+    """A project's embedded store (tiny_params' registry.tracking_uri), made ahead."""
+    new_mlflow_store(root / "mlruns" / "mlflow.db")
+
+
 @pytest.fixture()
 def registry_target(tmp_path):
     """A fresh MLflow store on temporary SQLite with local artifacts."""
     from registry import RegistryTarget
 
-    return RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test", "kiln-test", tmp_path / "artifacts")
+    return RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-test", "kiln-test", tmp_path / "artifacts")
 
 
 def engine_with_more_rows(engine_dir, destination: Path, extra_rows: int) -> Path:

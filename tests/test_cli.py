@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from components.config import ServingParams
 from flows.cli import app
 
-from .conftest import make_project, tiny_params
+from .conftest import make_project, new_project_store, tiny_params
 from .live_server import answers, free_port, kiln_up
 
 KILN = str(Path(sys.executable).parent / "kiln")
@@ -105,6 +105,7 @@ def test_an_unreachable_tracking_uri_exits_2_before_any_training(tmp_path):
 def served(tmp_path_factory):
     """A project under `kiln up` (both servers answering, stopped by SIGTERM at the end)."""
     root = make_project(tmp_path_factory.mktemp("cli") / "p")
+    new_project_store(root)
     write_params(root / "params.yaml", tiny_params(root, serving=ServingParams(port=free_port(), poll_interval_s=1)))
     serve_port = free_port()  # not serving.port: `kiln up --serve-port` says where kiln serve will listen
     with kiln_up(root, "--serve-port", str(serve_port)) as up:

@@ -20,7 +20,7 @@ from components.files import file_sha256
 from registry import CHALLENGER, CHAMPION, RegistryTarget, promote, register_engine, resolve_alias
 from serving import loader
 
-from .conftest import make_project, tiny_params
+from .conftest import make_project, new_mlflow_store, tiny_params
 from .test_registry import record, versions
 
 KILN = str(Path(sys.executable).parent / "kiln")
@@ -111,7 +111,7 @@ RACER = textwrap.dedent(
 
 
 def test_racing_registrations_of_one_engine_from_three_processes_make_one_version(tmp_path, engine_dir):
-    target = RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-race", "kiln-race", tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-race", "kiln-race", tmp_path / "artifacts")
     go = tmp_path / "go"
     args = [target.tracking_uri, str(target.artifact_root), str(engine_dir.path), str(go), engine_dir.sha256]
     racers = [subprocess.Popen([sys.executable, "-c", RACER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
@@ -147,7 +147,7 @@ def test_a_registration_killed_outright_is_cleaned_up_by_the_next_one(registry_t
 
 def test_a_registration_stopped_by_sigterm_leaves_no_version_and_no_running_run(tmp_path, engine_dir):
     """SIGTERM during registration (kiln's CLI turns it into SystemExit) rolls it back."""
-    target = RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-term", "kiln-term", tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-term", "kiln-term", tmp_path / "artifacts")
     big = tmp_path / "big"
     big.mkdir()
     for index in range(400):  # enough artifact files that logging them takes a while

@@ -12,7 +12,7 @@ from components.errors import GateFailed
 from flows.pipeline import retrain_and_rebuild
 from registry import CHALLENGER, CHAMPION, promote, registry_target, resolve_alias
 
-from .conftest import make_project, tiny_params
+from .conftest import make_project, new_project_store, tiny_params
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,9 @@ def harness():
 
 @pytest.fixture(scope="module")
 def flow_project(tmp_path_factory):
-    return make_project(tmp_path_factory.mktemp("flow"))
+    root = make_project(tmp_path_factory.mktemp("flow"))
+    new_project_store(root)
+    return root
 
 
 def task_states(flow_state) -> dict[str, str]:

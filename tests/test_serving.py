@@ -32,7 +32,7 @@ from serving.engine_process import RuntimeOptions
 from serving.sources import AliasSource
 from serving.webhooks import signature_of
 
-from .conftest import build_engine
+from .conftest import build_engine, new_mlflow_store
 from .live_server import LiveServer, free_port
 from .live_server import mlflow_server as running_mlflow_server
 from .test_faults import stored_engine, tamper
@@ -52,7 +52,7 @@ class Store:
 
     def __init__(self, root: Path, engine_dir, int8_engine_dir) -> None:
         self.root = root
-        self.target = RegistryTarget(f"sqlite:///{root / 'mlflow.db'}", MODEL, MODEL, root / "artifacts")
+        self.target = RegistryTarget(new_mlflow_store(root / "mlflow.db"), MODEL, MODEL, root / "artifacts")
         self.fp32 = register_engine(self.target, engine_dir.path, engine_dir.sha256, record()).version
         self.int8 = register_engine(self.target, int8_engine_dir.path, int8_engine_dir.sha256, record()).version
         promote(self.target, CHAMPION, version=self.fp32)
@@ -754,7 +754,7 @@ def test_an_alias_set_through_the_mlflow_server_reaches_the_server_by_webhook_un
 
 
 def test_kiln_serve_with_no_version_behind_the_alias_says_how_to_get_one_and_exits_2(tmp_path):
-    params = {"registry": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "model_name": "kiln-nothing-yet"}}
+    params = {"registry": {"tracking_uri": new_mlflow_store(tmp_path / "mlflow.db"), "model_name": "kiln-nothing-yet"}}
     (tmp_path / "params.yaml").write_text(json.dumps(params))
     result = subprocess.run([str(Path(sys.executable).parent / "kiln"), "serve", "--port", str(free_port())], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr + result.stdout
@@ -825,7 +825,7 @@ def test_a_version_whose_backend_cannot_run_here_is_refused_naming_it(tmp_path, 
     manifest |= {"backend": "tensorrt", "backend_version": "11.0.0", "target": "sm_90", "engine_file": "model.engine"}
     manifest["engine_sha256"] = file_sha256(trt_dir / "model.engine")
     (trt_dir / "engine.json").write_text(json.dumps(manifest))
-    target = RegistryTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", MODEL, MODEL, tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), MODEL, MODEL, tmp_path / "artifacts")
     version = register_engine(target, trt_dir, manifest["engine_sha256"], record()).version
     promote(target, CHAMPION, version=version)
     app = create_app(AliasSource(target, CHAMPION, tmp_path / "cache"), ServerSettings(poll_interval_s=0))

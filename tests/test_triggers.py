@@ -21,7 +21,7 @@ import yaml
 from components.config import ConfigError, TriggerParams, load_params
 from components.errors import DataError
 
-from .conftest import DVC, make_project, tiny_params
+from .conftest import DVC, make_project, new_project_store, tiny_params
 from .live_server import KILN, flow_runs, free_port, kiln_up, prefect_api, wait_for
 
 MODEL = "kiln-tiny"
@@ -225,6 +225,7 @@ def deployed(tmp_path_factory):
     """A project (no run yet) under `kiln up`, with `kiln deploy` serving its deployments;
     stopping kiln deploy with SIGTERM must end it cleanly."""
     root = make_project(tmp_path_factory.mktemp("triggers") / "p")
+    new_project_store(root)
     # A schedule that is valid but never due during a test (29 February).
     params = tiny_params(root, triggers=TriggerParams(schedule="0 0 29 2 *", data_poll_interval_s=1, webhook_port=free_port()))
     (root / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
