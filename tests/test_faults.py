@@ -193,7 +193,7 @@ def test_a_profile_longer_than_the_model_context_is_refused_before_any_work(tmp_
     assert not (root / "mlruns").exists() and not (root / ".kiln" / "stages").exists()
 
 
-def test_a_profile_longer_than_a_pretrained_models_context_is_refused_before_export(tmp_path, tiny_model, project):
+def test_a_profile_longer_than_a_pretrained_models_context_is_refused_before_any_work(tmp_path, tiny_model, project):
     root = make_project(tmp_path / "p")
     params = tiny_params(root).model_dump(mode="json")
     params["model"]["pretrained"] = str(tiny_model.path)
@@ -202,8 +202,8 @@ def test_a_profile_longer_than_a_pretrained_models_context_is_refused_before_exp
     result = kiln("build", cwd=root, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "build.profiles.context.max (512) is longer than the context of" in result.stderr
-    assert not (root / ".kiln" / "stages" / "onnx").exists()
-    assert MlflowClient(f"sqlite:///{root / 'mlruns' / 'mlflow.db'}").search_model_versions("name='kiln-tiny'") == []
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (root / "mlruns").exists() and not (root / ".kiln" / "stages").exists()
 
 
 def test_config_names_every_length_that_does_not_fit_its_profile(tmp_path):
