@@ -101,6 +101,7 @@ RACER = textwrap.dedent(
     from registry import RegistryTarget, register_engine, RunRecord
     target = RegistryTarget(sys.argv[1], "kiln-race", "kiln-race", Path(sys.argv[2]))
     go = Path(sys.argv[4])
+    print("ready", flush=True)  # mlflow imported: the race is the registration, not the imports
     while not go.exists():
         time.sleep(0.005)
     tags = {"gates.passed": "true"}
@@ -115,7 +116,7 @@ def test_racing_registrations_of_one_engine_from_three_processes_make_one_versio
     go = tmp_path / "go"
     args = [target.tracking_uri, str(target.artifact_root), str(engine_dir.path), str(go), engine_dir.sha256]
     racers = [subprocess.Popen([sys.executable, "-c", RACER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    time.sleep(4)  # every racer has imported mlflow and waits at the line
+    assert [racer.stdout.readline().strip() for racer in racers] == ["ready"] * 3  # each waits at the line
     go.touch()
     outcomes = [racer.communicate(timeout=180) for racer in racers]
     assert all(racer.returncode == 0 for racer in racers), [err[-2000:] for _, err in outcomes]
