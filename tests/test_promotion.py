@@ -2,14 +2,12 @@
 made through kiln is recorded on the registered model, rollback returns to the version
 before, and lineage reads the chain back. On a real embedded MLflow store."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from mlflow import MlflowClient
+from typer.testing import CliRunner
 
 from components.errors import RegistryError
+from flows.cli import app
 from registry import CHAMPION, alias_history, get_version, promote, register_engine, resolve_alias, rollback, version_lineage
 from serving.loader import pull_version
 
@@ -17,7 +15,6 @@ from .conftest import engine_with_more_rows
 from .test_registry import record
 
 PERSON = "ada@lab"
-KILN = str(Path(sys.executable).parent / "kiln")
 
 
 @pytest.fixture()
@@ -93,21 +90,27 @@ def test_lineage_reads_the_chain_and_the_moves_of_a_version(registry_target, ver
         version_lineage(registry_target, "99")
 
 
-def test_kiln_lineage_prints_the_chain_and_rollback_and_promote_refuse_with_exit_2(registry_target, versions, tmp_path):
+def test_kiln_lineage_prints_the_chain_and_rollback_and_promote_refuse_with_exit_2(registry_target, versions, tmp_path, monkeypatch):
+    """The verbs in-process (the process boundary is test_cli's): their exit codes and lines."""
     promote(registry_target, CHAMPION, version=versions[0], by=PERSON, reason="first")
     params = tmp_path / "params.yaml"
     params.write_text(
         f"registry: {{tracking_uri: {registry_target.tracking_uri!r}, model_name: {registry_target.model_name}, experiment: {registry_target.experiment}}}\n"
     )
-    shown = subprocess.run([KILN, "lineage", versions[0], "--params", str(params)], capture_output=True, text=True, cwd=tmp_path)
-    assert shown.returncode == 0, shown.stderr
+    monkeypatch.chdir(tmp_path)
+
+    def kiln(*args: str):
+        return CliRunner().invoke(app, [*args, "--params", str(params)])
+
+    shown = kiln("lineage", versions[0])
+    assert shown.exit_code == 0, shown.output
     out = " ".join(shown.stdout.split())
     assert f"version {versions[0]} · @champion" in out and "data version abc.dir" in out and "gates passed" in out
     assert "became @champion (by ada@lab: first)" in out
-    missing = subprocess.run([KILN, "lineage", "99", "--params", str(params)], capture_output=True, text=True, cwd=tmp_path)
-    assert missing.returncode == 2 and "has no version 99" in missing.stderr
-    nowhere = subprocess.run([KILN, "rollback", "--params", str(params)], capture_output=True, text=True, cwd=tmp_path)
-    assert nowhere.returncode == 2 and "no earlier version of it is recorded" in " ".join(nowhere.stderr.split())
-    unforced = subprocess.run([KILN, "promote", "--version", versions[2], "--params", str(params)], capture_output=True, text=True, cwd=tmp_path)
-    assert unforced.returncode == 2 and "did not pass its gates" in " ".join(unforced.stderr.split())
+    missing = kiln("lineage", "99")
+    assert missing.exit_code == 2 and "has no version 99" in missing.stderr
+    nowhere = kiln("rollback")
+    assert nowhere.exit_code == 2 and "no earlier version of it is recorded" in " ".join(nowhere.stderr.split())
+    unforced = kiln("promote", "--version", versions[2])
+    assert unforced.exit_code == 2 and "did not pass its gates" in " ".join(unforced.stderr.split())
     assert resolve_alias(registry_target, CHAMPION).version == versions[0]  # neither moved it
