@@ -20,7 +20,7 @@ from components.files import file_sha256
 from registry import CHALLENGER, CHAMPION, RegistryTarget, promote, register_engine, resolve_alias
 from serving import loader
 
-from .conftest import make_project, new_mlflow_store, tiny_params
+from .conftest import make_project, new_mlflow_store, new_project_store, tiny_params
 from .test_registry import record, versions
 
 KILN = str(Path(sys.executable).parent / "kiln")
@@ -229,6 +229,7 @@ def test_promote_against_an_unreachable_tracking_server_fails_in_seconds(tmp_pat
 @pytest.mark.slow
 def test_a_run_killed_mid_stage_leaves_no_partial_output_and_the_next_run_succeeds(tmp_path):
     root = make_project(tmp_path / "p")
+    new_project_store(root)
     (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(root).model_dump(mode="json")))
     models = root / ".kiln" / "stages" / "models"
     run = subprocess.Popen([KILN, "run"], cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
