@@ -101,14 +101,20 @@ def check_fits_model(model: TrainedModel, profiles: ProfileParams, sample: Sampl
     """What params.yaml asks of a model, checked once the model exists and before any export
     or registration: the build profiles fit its context (`n_positions`), and the sample
     prompt, in its tokens, fits the profiles. ConfigError naming the keys otherwise."""
+    check_fits_model_directory(model.path, profiles, sample)
+
+
+def check_fits_model_directory(path: Path, profiles: ProfileParams, sample: SampleParams) -> None:
+    """check_fits_model on a model directory as it lies (`kiln build`, before any work):
+    reads its config and tokenizer only, not the weights' sha256."""
     from components.runtime.tokenizer import EngineTokenizer
 
-    n_positions = json.loads((model.path / "config.json").read_text()).get("n_positions")
+    n_positions = json.loads((path / "config.json").read_text()).get("n_positions")
     if n_positions is not None and profiles.context.max > n_positions:
         raise ConfigError(
-            f"build.profiles.context.max ({profiles.context.max}) is longer than the context of {model.path} (n_positions {n_positions})"
+            f"build.profiles.context.max ({profiles.context.max}) is longer than the context of {path} (n_positions {n_positions})"
         )
-    prompt_tokens = len(EngineTokenizer(model.path).encode(sample.prompt))
+    prompt_tokens = len(EngineTokenizer(path).encode(sample.prompt))
     if not profiles.prompt.min <= prompt_tokens <= profiles.prompt.max:
         raise ConfigError(
             f"sample.prompt is {prompt_tokens} tokens; build.profiles.prompt admits {profiles.prompt.min}..{profiles.prompt.max}"

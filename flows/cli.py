@@ -126,12 +126,13 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
 def _model_to_build(model_dir: Path | None, params) -> Path:
     """The model directory `kiln build` starts from, checked against params.yaml before any
     work: a profile longer than its context is an error in seconds, not after the data stage."""
-    from components.model_dir import check_fits_model, model_from_directory
+    from components.model_dir import check_fits_model_directory, check_model_directory
 
     if model_dir is None and not params.model.pretrained:
         raise KilnError("kiln build needs a model: pass --model DIR or set model.pretrained in params.yaml")
     model_dir = (model_dir or Path(params.model.pretrained)).resolve()
-    check_fits_model(model_from_directory(model_dir), params.build.profiles, params.sample)
+    check_model_directory(model_dir)
+    check_fits_model_directory(model_dir, params.build.profiles, params.sample)
     return model_dir
 
 
