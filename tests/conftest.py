@@ -170,17 +170,61 @@ def data_version(project, params):
 
 
 @pytest.fixture(scope="session")
-def tiny_model(project, params, data_version):
-    from components.train import model_from_data
+def built_once(tmp_path_factory) -> Path:
+    """Stage outputs that `make test`'s two workers build once between them (see
+    `once_for_all_workers`): a folder both see, beside their own temporary folders."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
 
-    return model_from_data(data_version, params.model, project / "models")
+
+def once_for_all_workers(built: Path, stage: str, out_root: Path, build):
+    """`build()` (a stage writing `out_root/<content key>`) run by the first worker only.
+
+    Stage outputs are found by a name made of their inputs' content, so an output another
+    worker built, copied into this worker's `out_root` under the same name, is found
+    complete and reused: the stage returns without building (training is seeded, so the
+    copy is byte for byte what this worker would build). The lock makes the second worker
+    wait for the first instead of building the same thing beside it.
+    """
+    from components.files import exclusive_lock
+
+    published = built / stage
+    with exclusive_lock(built / f"{stage}.lock"):
+        for done in published.glob("*"):
+            if not (out_root / done.name).exists():
+                shutil.copytree(done, out_root / done.name)
+        result = build()
+        if not (published / result.output_dir.name).exists():
+            shutil.copytree(result.output_dir, published / result.output_dir.name)
+    return result
 
 
 @pytest.fixture(scope="session")
-def exported(project, params, tiny_model):
+def tiny_model(project, params, data_version, built_once):
+    from components.train import model_from_data
+
+    return once_for_all_workers(built_once, "models", project / "models", lambda: model_from_data(data_version, params.model, project / "models"))
+
+
+@pytest.fixture(scope="session")
+def exported(project, params, tiny_model, built_once):
     from components.export import onnx_from_model
 
-    return onnx_from_model(tiny_model, params.export, project / "onnx")
+    return once_for_all_workers(built_once, "onnx", project / "onnx", lambda: onnx_from_model(tiny_model, params.export, project / "onnx"))
+
+
+def with_trained_model(root: Path, model, onnx) -> Path:
+    """A project given the session's trained model and its ONNX export where its own stages
+    put theirs (`.kiln/stages/`, under the same content-made names, for the same corpus and
+    tiny_params' model): its pipeline reuses them, as in a project whose stage outputs
+    survived, and starts work at the engine build. For the tests of what comes after
+    training: a pool's dispatch, the flow's registration and caching. `kiln run` in
+    test_cli, the triggers' rebuilds and the killed run still train their own."""
+    from components.workspace import Workspace
+
+    for output, stage in ((model, "models"), (onnx, "onnx")):
+        shutil.copytree(output.output_dir, Workspace(root).stage_dir(stage) / output.output_dir.name)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from components.errors import GateFailed
 from flows.pipeline import retrain_and_rebuild
 from registry import CHALLENGER, CHAMPION, promote, registry_target, resolve_alias
 
-from .conftest import make_project, new_project_store, tiny_params
+from .conftest import make_project, new_project_store, tiny_params, with_trained_model
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,10 @@ def harness():
 
 
 @pytest.fixture(scope="module")
-def flow_project(tmp_path_factory):
-    root = make_project(tmp_path_factory.mktemp("flow"))
+def flow_project(tmp_path_factory, tiny_model, exported):
+    """A project holding the session's trained model and its ONNX: the flows here start at
+    the engine build (the deleted-outputs test makes one retrain)."""
+    root = with_trained_model(make_project(tmp_path_factory.mktemp("flow")), tiny_model, exported)
     new_project_store(root)
     return root
 

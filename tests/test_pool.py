@@ -17,7 +17,7 @@ import yaml
 
 from components.config import BuildTarget, PoolParams, PrecisionParams, RegistryParams, TriggerParams
 
-from .conftest import make_project, tiny_params
+from .conftest import make_project, tiny_params, with_trained_model
 from .live_server import KILN, answers, flow_runs, free_port, postgres_bin, postgres_server, prefect_api, wait_for
 
 MODEL = "kiln-tiny"
@@ -50,14 +50,15 @@ def test_the_pools_challenger_is_the_fastest_version_of_the_model_and_data_that_
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def pool(tmp_path_factory, tiny_model, exported):
     """The multi-machine setup on one machine: MLflow on PostgreSQL with its artifacts in a
     shared folder, a Prefect server, `kiln deploy --pool`, and two `kiln worker`s, one per
-    build target (fp32, int8)."""
+    build target (fp32, int8). The project holds the session's trained model: what is
+    tested starts after training."""
     if postgres_bin() is None:
         pytest.skip("PostgreSQL is not installed (apt-get install postgresql; .ci/run installs it)")
     base = tmp_path_factory.mktemp("pool")
-    root = make_project(base / "p")
+    root = with_trained_model(make_project(base / "p"), tiny_model, exported)
     with postgres_server() as database, _processes(base) as start:
         mlflow, prefect = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
         # One worker: four each import mlflow, which on a busy 2-core CI machine is most of a minute.
