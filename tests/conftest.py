@@ -177,8 +177,8 @@ def built_once(tmp_path_factory) -> Path:
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
 
 
-def once_for_all_workers(built: Path, stage: str, out_root: Path, build):
-    """`build()` (a stage writing `out_root/<content key>`) run by the first worker only.
+def once_for_all_workers(built: Path, out_root: Path, build):
+    """`build(out_root)` (a stage writing `out_root/<content key>`) run by the first worker only.
 
     Stage outputs are found by a name made of their inputs' content, so an output another
     worker built, copied into this worker's `out_root` under the same name, is found
@@ -188,12 +188,12 @@ def once_for_all_workers(built: Path, stage: str, out_root: Path, build):
     """
     from components.files import exclusive_lock
 
-    published = built / stage
-    with exclusive_lock(built / f"{stage}.lock"):
+    published = built / out_root.name
+    with exclusive_lock(built / f"{out_root.name}.lock"):
         for done in published.glob("*"):
             if not (out_root / done.name).exists():
                 shutil.copytree(done, out_root / done.name)
-        result = build()
+        result = build(out_root)
         if not (published / result.output_dir.name).exists():
             shutil.copytree(result.output_dir, published / result.output_dir.name)
     return result
@@ -203,14 +203,14 @@ def once_for_all_workers(built: Path, stage: str, out_root: Path, build):
 def tiny_model(project, params, data_version, built_once):
     from components.train import model_from_data
 
-    return once_for_all_workers(built_once, "models", project / "models", lambda: model_from_data(data_version, params.model, project / "models"))
+    return once_for_all_workers(built_once, project / "models", lambda out_root: model_from_data(data_version, params.model, out_root))
 
 
 @pytest.fixture(scope="session")
 def exported(project, params, tiny_model, built_once):
     from components.export import onnx_from_model
 
-    return once_for_all_workers(built_once, "onnx", project / "onnx", lambda: onnx_from_model(tiny_model, params.export, project / "onnx"))
+    return once_for_all_workers(built_once, project / "onnx", lambda out_root: onnx_from_model(tiny_model, params.export, out_root))
 
 
 def with_trained_model(root: Path, model, onnx) -> Path:
