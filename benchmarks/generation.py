@@ -2,7 +2,8 @@
 kiln engines, in one process, interleaved so that a busy machine slows all rows alike.
 
 It wires the pipeline's own export, precision and build stages (without Prefect) on a
-GPT-2-small shaped model (124M parameters; random weights: speed does not depend on them).
+model of a known shape (GPT-2 small, 124M parameters; SmolLM2-135M, a Llama; random
+weights: speed does not depend on them).
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ import numpy as np
 
 from components.progress import stage_progress
 
-GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
+# Each shape is its family's transformers config, with the family named.
+GPT2_SMALL = {"family": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
+SMOLLM2_135M = {
+    "family": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 2048, "tie_word_embeddings": True, "rope_theta": 100000.0,
+}  # fmt: skip
 # `kiln bench --shape tiny`: seconds instead of minutes, to check that the bench runs (not to measure).
-TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
-SHAPES = {"gpt2-small": GPT2_SMALL, "tiny": TINY}
+TINY = {"family": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
+SHAPES = {"gpt2-small": GPT2_SMALL, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,11 @@ class BenchSetup:
     seed: int = 0
 
 
-def benchmark_model_dir(directory: Path, shape: dict[str, int] = GPT2_SMALL, seed: int = 0) -> Path:
-    """A GPT-2-small-shaped model directory with random weights (and non-zero biases, as a
-    trained model has) plus a small BPE tokenizer so it is a complete model directory."""
+def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0) -> Path:
+    """A model directory of `shape` with random weights (and non-zero biases, as a trained
+    model has) plus a small BPE tokenizer so it is a complete model directory."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from components.config import ModelParams, TokenizerParams
     from components.train import tokenizer_from_texts
@@ -55,7 +61,8 @@ def benchmark_model_dir(directory: Path, shape: dict[str, int] = GPT2_SMALL, see
     if (directory / "config.json").is_file():
         return directory
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**shape)).eval()
+    family, config = shape["family"], {k: v for k, v in shape.items() if k != "family"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith(".bias"):
@@ -144,9 +151,7 @@ def benchmark_calibration(work: Path, vocab: int, setup: BenchSetup):
     return CalibrationSet(path=work, digest=digest, prompts=tuple(map(tuple, prompts)), decode_steps=2)
 
 
-def benchmark_engines(
-    work: Path, precisions: list[str], setup: BenchSetup, shape: dict[str, int] = GPT2_SMALL
-) -> tuple[Path, dict[str, Path]]:
+def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shape: dict = GPT2_SMALL) -> tuple[Path, dict[str, Path]]:
     """The benchmark model and an ONNX Runtime engine per precision, built by the pipeline's
     own stages (cached in `work` across invocations)."""
     from components.build import engine_from_onnx

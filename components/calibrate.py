@@ -102,7 +102,7 @@ def _curate_into(target: Path, data: DataVersion, tokenizer_dir: Path, profiles:
     tokenizer = EngineTokenizer(tokenizer_dir)
     pool = data.texts("calibration")
     kept, near_duplicates = drop_near_duplicates(pool, params.near_duplicate_threshold, params.seed)
-    encoded = [tokenizer.encode(pool[i]) for i in kept]
+    encoded = [tokenizer.encode_prompt(pool[i]) for i in kept]
     buckets = buckets_from_profile(profiles.prompt, params.buckets)
     chosen = stratified_prompts(kept, encoded, buckets, params.samples, params.seed)
     chosen = _drop_exact_duplicates(chosen)

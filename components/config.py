@@ -80,16 +80,42 @@ class TokenizerParams(_Section):
 
 
 class ArchitectureParams(_Section):
+    """The model trained from scratch: a GPT-2, or a Llama (RMSNorm, SwiGLU, rotary
+    positions, grouped-query attention, tied embeddings as small Llamas have)."""
+
+    family: Literal["gpt2", "llama"] = "gpt2"
     n_layer: int = Field(2, ge=1)
     n_head: int = Field(4, ge=1)
     n_embd: int = Field(128, ge=8)
     n_positions: int = Field(256, ge=16)
+    # Llama only. None: as many KV heads as heads; an MLP of 8/3 n_embd (GPT-2's 4 n_embd
+    # in parameters, SwiGLU having three matrices); rope_theta 10000.
+    n_kv_heads: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=8)
+    rope_theta: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ArchitectureParams:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if self.family == "llama" and self.n_head % self.kv_heads:
+            raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_head ({self.n_head})")
         return self
+
+    @model_validator(mode="after")
+    def _llama_keys_only_for_llama(self) -> ArchitectureParams:
+        given = [key for key in ("n_kv_heads", "intermediate_size", "rope_theta") if getattr(self, key) is not None]
+        if self.family != "llama" and given:
+            raise ValueError(f"{', '.join(given)} apply to family llama only; family is {self.family}")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size or -(-8 * self.n_embd // 3 // 8) * 8  # rounded up to a multiple of 8
 
 
 class TrainingParams(_Section):
@@ -105,8 +131,9 @@ class TrainingParams(_Section):
 
 
 class ModelParams(_Section):
-    # None: train a tokenizer and a GPT-2 from scratch. A path or hub id: start from that
-    # model; with training.steps > 0 it is fine-tuned, with 0 it is used as is.
+    # None: train a tokenizer and a model of `architecture.family` from scratch. A path or
+    # hub id: start from that model (any family kiln builds); with training.steps > 0 it is
+    # fine-tuned, with 0 it is used as is.
     pretrained: str | None = None
     tokenizer: TokenizerParams = TokenizerParams()
     architecture: ArchitectureParams = ArchitectureParams()
@@ -172,7 +199,9 @@ class Int8Params(_Section):
 
 
 class Fp16Params(_Section):
-    keep_fp32_op_types: list[str] = ["LayerNormalization", "Softmax"]
+    # RMSNormalization (Llama's norm) is an ONNX op from opset 23 only; below it the export
+    # decomposes it, and the precision stage finds the decomposition (x², mean, rsqrt).
+    keep_fp32_op_types: list[str] = ["LayerNormalization", "RMSNormalization", "Softmax"]
 
 
 class PrecisionParams(_Section):

@@ -77,12 +77,27 @@ class EngineManifest(_Frozen):
     head_dim: int
     vocab_size: int
     max_positions: int
-    eos_token_id: int
+    eos_token_id: int  # also the padding of left-padded batches
     profiles: dict[str, ShapeProfile]
     lineage: Lineage
     parity: ParityRecord
     # What the engine file depends on beyond the backend's version (torch-cuda: torch, CUDA, GPU).
     runtime: dict[str, str] = {}
+    # Defaults describe engines made before other families than GPT-2 were built.
+    model_family: str = "gpt2"
+    num_kv_heads: int | None = None  # fewer than num_heads: grouped-query attention; None: num_heads
+    eos_token_ids: list[int] = []  # every id that ends generation (Llama 3 has several); []: eos_token_id
+    parameter_count: int | None = None
+
+    @cached_property
+    def kv_heads(self) -> int:
+        """Heads of the KV cache, (batch, kv_heads, past, head_dim) per tensor."""
+        return self.num_kv_heads or self.num_heads
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """The token ids that end a generation."""
+        return frozenset(self.eos_token_ids or [self.eos_token_id])
 
     # Cached: the runtimes read both on every decode step, and the manifest is frozen.
     @cached_property

@@ -1,5 +1,6 @@
-"""The export stage: a GPT-2 model directory → ONNX with past key values, checked against
-PyTorch on a left-padded prompt (empty past) and on decode steps (with past)."""
+"""The export stage: a model directory of any family kiln builds (components.families) →
+ONNX with past key values, checked against PyTorch on a left-padded prompt (empty past)
+and on decode steps (with past)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from components.config import ExportParams, section_digest
 from components.engine_dir import LOGITS_POSITIONS
 from components.errors import ExportError
+from components.families import shape_of
 from components.files import file_sha256, stage_output
 from components.model_dir import TrainedModel, load_model
 
@@ -22,18 +24,22 @@ if TYPE_CHECKING:
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "3"  # 3: the logits_positions input
+STAGE_VERSION = "4"  # 4: the layout records the family, KV heads and parameter count
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shapes of the KV cache: past/present tensors are (batch, heads, length, head_dim)."""
+    """The exported model's family and shapes: past/present tensors are (batch, kv_heads,
+    length, head_dim); `num_heads` are the attention's query heads."""
 
     num_layers: int
     num_heads: int
     head_dim: int
     vocab_size: int
     max_positions: int
+    family: str
+    num_kv_heads: int
+    parameter_count: int
 
     @property
     def input_names(self) -> list[str]:
@@ -82,20 +88,25 @@ class ExportedOnnx:
         return self.path.is_file() and file_sha256(self.path) == self.sha256
 
 
-def kv_layout_of(config) -> KVLayout:
+def kv_layout_of(model) -> KVLayout:
+    """The layout of a loaded transformers model (a tied embedding's weights counted once)."""
+    shape = shape_of(model.config.to_dict())
     return KVLayout(
-        num_layers=config.n_layer,
-        num_heads=config.n_head,
-        head_dim=config.n_embd // config.n_head,
-        vocab_size=config.vocab_size,
-        max_positions=config.n_positions,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        max_positions=shape.max_positions,
+        family=shape.family,
+        num_kv_heads=shape.num_kv_heads,
+        parameter_count=model.num_parameters(),
     )
 
 
 def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -> ExportedOnnx:
     """Export with a KV cache (dynamic batch, sequence and past length) and check parity."""
     torch_model = load_model(model.path)
-    layout = kv_layout_of(torch_model.config)
+    layout = kv_layout_of(torch_model)
     build = lambda staging: _export(torch_model, layout, params.opset, staging / ONNX_FILE)  # noqa: E731
     target = stage_output(out_root / f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{model.sha256[:12]}", ONNX_FILE, build)
     parity = parity_against_torch(torch_model, target / ONNX_FILE, layout, params.parity_tolerance)
@@ -128,7 +139,7 @@ def _kv_wrapper(model):
         def forward(self, input_ids, attention_mask, position_ids, logits_positions, *past):
             pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
             cache = DynamicCache(ddp_cache_data=pairs, config=self.model.config)
-            out = self.model.transformer(
+            out = self.model.base_model(  # GPT-2's `transformer`, the others' `model`
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
@@ -202,7 +213,7 @@ def _example_inputs(layout: KVLayout, batch: int, sequence: int, past: int) -> l
     mask = torch.ones(batch, past + sequence, dtype=torch.long)
     positions = torch.arange(past, past + sequence).expand(batch, sequence)
     kept = torch.arange(1, sequence)  # fewer than `sequence`, so that torch.export keeps the two sizes apart
-    kv = [torch.randn(batch, layout.num_heads, past, layout.head_dim) for _ in layout.past_names]
+    kv = [torch.randn(batch, layout.num_kv_heads, past, layout.head_dim) for _ in layout.past_names]
     return [ids, mask, positions, kept, *kv]
 
 
@@ -219,7 +230,7 @@ def parity_against_torch(model, onnx_path: Path, layout: KVLayout, tolerance: fl
     mask[0, :4] = 0
     mask[1, :1] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    empty = np.zeros((3, layout.num_heads, 0, layout.head_dim), np.float32)
+    empty = np.zeros((3, layout.num_kv_heads, 0, layout.head_dim), np.float32)
     feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
     feeds |= {LOGITS_POSITIONS: np.arange(ids.shape[1])} | {name: empty for name in layout.past_names}
     with torch.no_grad():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from components.config import ProfileParams, SampleParams
 from components.errors import ConfigError, TrainError
+from components.families import family_of, shape_of
 from components.files import directory_sha256
 
 TRAINING_RECORD = "kiln_training.json"
@@ -62,12 +63,18 @@ def check_model_directory(path: Path) -> None:
             raise TrainError(f"model directory {path} has no {required}")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise TrainError(f"model directory {path} has no weights (*.safetensors or *.bin)")
+    family_of(read_config(path), f"model directory {path}")
+
+
+def read_config(path: Path) -> dict:
+    """A model directory's `config.json`; TrainError if it is not a JSON object."""
     try:
         config = json.loads((path / "config.json").read_text())
     except ValueError as err:
         raise TrainError(f"model directory {path}: config.json is not valid JSON ({err})") from err
-    if config.get("model_type") != "gpt2":
-        raise TrainError(f"model directory {path}: model_type {config.get('model_type')!r}, kiln exports gpt2")
+    if not isinstance(config, dict):
+        raise TrainError(f"model directory {path}: config.json holds {type(config).__name__}, not an object")
+    return config
 
 
 def load_model(path: Path):
@@ -91,16 +98,14 @@ def quiet_transformers() -> None:
 
 
 def _read_record(path: Path) -> dict:
-    try:
-        return json.loads((path / TRAINING_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
+    return _read_json(path / TRAINING_RECORD)
 
 
 def check_fits_model(model: TrainedModel, profiles: ProfileParams, sample: SampleParams) -> None:
     """What params.yaml asks of a model, checked once the model exists and before any export
-    or registration: the build profiles fit its context (`n_positions`), and the sample
-    prompt, in its tokens, fits the profiles. ConfigError naming the keys otherwise."""
+    or registration: the build profiles fit its context (and its sliding window, which
+    kiln's engines do not implement), and the sample prompt, in its tokens, fits the
+    profiles. ConfigError naming the keys otherwise."""
     check_fits_model_directory(model.path, profiles, sample)
 
 
@@ -109,12 +114,17 @@ def check_fits_model_directory(path: Path, profiles: ProfileParams, sample: Samp
     reads its config and tokenizer only, not the weights' sha256."""
     from components.runtime.tokenizer import EngineTokenizer
 
-    n_positions = json.loads((path / "config.json").read_text()).get("n_positions")
-    if n_positions is not None and profiles.context.max > n_positions:
+    shape = shape_of(read_config(path), f"model directory {path}")
+    if profiles.context.max > shape.max_positions:
         raise ConfigError(
-            f"build.profiles.context.max ({profiles.context.max}) is longer than the context of {path} (n_positions {n_positions})"
+            f"build.profiles.context.max ({profiles.context.max}) is longer than the context of {path} ({shape.max_positions} positions)"
         )
-    prompt_tokens = len(EngineTokenizer(path).encode(sample.prompt))
+    if shape.sliding_window is not None and shape.sliding_window < profiles.context.max:
+        raise ConfigError(
+            f"{path} attends within a sliding window of {shape.sliding_window} tokens, shorter than build.profiles.context.max "
+            f"({profiles.context.max}); kiln's engines attend to the whole context: lower build.profiles.context.max to {shape.sliding_window} or less"
+        )
+    prompt_tokens = len(EngineTokenizer(path).encode_prompt(sample.prompt))
     if not profiles.prompt.min <= prompt_tokens <= profiles.prompt.max:
         raise ConfigError(
             f"sample.prompt is {prompt_tokens} tokens; build.profiles.prompt admits {profiles.prompt.min}..{profiles.prompt.max}"
@@ -123,3 +133,29 @@ def check_fits_model_directory(path: Path, profiles: ProfileParams, sample: Samp
         raise ConfigError(
             f"sample.prompt ({prompt_tokens} tokens) plus sample.max_tokens ({sample.max_tokens}) exceeds build.profiles.context.max ({profiles.context.max})"
         )
+
+
+def eos_token_ids(path: Path) -> list[int]:
+    """Every id that ends generation: `generation_config.json`'s `eos_token_id` (an id or a
+    list: Llama 3 ends on `<|eot_id|>` as well as `<|end_of_text|>`), `config.json`'s, and
+    the tokenizer's `eos_token`; in that order, each once."""
+    from tokenizers import Tokenizer
+
+    found: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(path / name).get("eos_token_id")
+        found += value if isinstance(value, list) else [value] if isinstance(value, int) else []
+    token = _read_json(path / "tokenizer_config.json").get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str) and (tokenizer := Path(path / "tokenizer.json")).is_file():
+        token_id = Tokenizer.from_file(str(tokenizer)).token_to_id(token)
+        found += [token_id] if token_id is not None else []
+    return list(dict.fromkeys(found))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

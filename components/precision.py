@@ -27,7 +27,7 @@ from components.progress import stage_progress
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "4"  # 4: calibration feeds name the logits positions
+STAGE_VERSION = "5"  # 5: fp16 keeps RMSNorm and the rotary angles in fp32
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class CalibrationFeeds:
 
     def _prompt_feeds(self, ids: np.ndarray) -> list[dict[str, np.ndarray]]:
         layout = self._layout
-        empty = np.zeros((1, layout.num_heads, 0, layout.head_dim), np.float32)
+        empty = np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), np.float32)
         every = np.arange(ids.shape[1], dtype=np.int64)  # the LM head calibrated over every position, as scoring uses it
         feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": every[None], LOGITS_POSITIONS: every}
         feeds = [feed | {name: empty for name in layout.past_names}]
@@ -219,7 +219,7 @@ def _weight_tensors(model) -> set[str]:
 
 
 def fp16_onnx(source: Path, params: Fp16Params, output: Path) -> None:
-    """fp16 weights and activations, with LayerNorm, Softmax and the logits kept fp32."""
+    """fp16 weights and activations, with the norms, Softmax and the logits kept fp32."""
     import onnx as onnx_lib
     from onnxconverter_common import float16
 
@@ -233,11 +233,56 @@ def fp16_onnx(source: Path, params: Fp16Params, output: Path) -> None:
         model,
         keep_io_types=True,
         op_block_list=list(params.keep_fp32_op_types),
-        node_block_list=[logits_node],  # the lm_head: logits are computed, not only returned, in fp32
+        # The lm_head (logits are computed, not only returned, in fp32); RMSNorm's
+        # decomposition where that op type is kept (x² of an fp16 activation overflows past
+        # 256); the rotary angles (position × frequency: fp16 has no digits left for them).
+        node_block_list=[logits_node] + (rms_norm_nodes(model) if "RMSNormalization" in params.keep_fp32_op_types else []) + rotary_nodes(model),
         disable_shape_infer=False,
     )
     _drop_output_downcast(converted, "logits")
     onnx_lib.save(converted, str(output))
+
+
+def rms_norm_nodes(model) -> list[str]:
+    """The nodes of each RMSNorm decomposed below opset 23, found by their structure: Pow(x, 2)
+    → ReduceMean → Add(ε) → Sqrt → Reciprocal (or Div), and the Mul of x by that scale."""
+    from onnx import numpy_helper
+
+    producers = {out: node for node in model.graph.node for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    constants = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    constants |= {node.output[0]: numpy_helper.to_array(node.attribute[0].t) for node in model.graph.node if node.op_type == "Constant" and node.attribute[0].name == "value"}
+    kept = []
+    for mean in (node for node in model.graph.node if node.op_type == "ReduceMean"):
+        square = producers.get(mean.input[0])
+        exponent = constants.get(square.input[1]) if square is not None and square.op_type == "Pow" else None
+        if exponent is None or exponent.size != 1 or float(exponent) != 2.0:
+            continue
+        chain, node = [square, mean], mean
+        for op_types in ({"Add"}, {"Sqrt"}, {"Reciprocal", "Div"}, {"Mul"}):
+            node = next((c for c in consumers.get(node.output[0], []) if c.op_type in op_types), None)
+            if node is None:
+                break
+            chain.append(node)
+        kept += [n.name for n in chain]
+    return kept
+
+
+def rotary_nodes(model) -> list[str]:
+    """The rotary embedding's angle computation: every node upstream of a Cos or Sin (the
+    positions, cast to float, times the inverse frequencies), and the Cos and Sin."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    pending = [node for node in model.graph.node if node.op_type in ("Cos", "Sin")]
+    kept: dict[str, None] = {}
+    while pending:
+        node = pending.pop()
+        if node.name not in kept:
+            kept[node.name] = None
+            pending += [producers[name] for name in node.input if name in producers]
+    return list(kept)
 
 
 def _detach_graph_outputs(model) -> None:

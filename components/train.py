@@ -1,5 +1,6 @@
-"""The train stage: a byte-level BPE tokenizer and a small GPT-2 trained from scratch on the
-train split, or an existing Hugging Face model loaded (and optionally fine-tuned)."""
+"""The train stage: a byte-level BPE tokenizer and a small GPT-2 or Llama trained from
+scratch on the train split, or an existing Hugging Face model loaded (and optionally
+fine-tuned)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from components.config import ModelParams, TrainingParams, section_digest
 from components.data import DataVersion
 from components.errors import TrainError
+from components.families import shape_of
 from components.files import stage_output
 from components.model_dir import TRAINING_RECORD, TrainedModel, load_model, model_from_directory, quiet_transformers
 from components.progress import stage_progress
@@ -43,7 +45,7 @@ def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
         model, tokenizer = _pretrained(params.pretrained)
     else:
         tokenizer = tokenizer_from_texts(data.texts("train"), params)
-        model = _fresh_gpt2(tokenizer, params)
+        model = fresh_model(tokenizer, params)
     train_ids = _token_stream(tokenizer, data.texts("train"))
     eval_ids = _token_stream(tokenizer, data.texts("eval"))
     curve = _fit(model, train_ids, params.training)
@@ -79,6 +81,11 @@ def tokenizer_from_texts(texts: Sequence[str], params: ModelParams):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
+def fresh_model(tokenizer, params: ModelParams):
+    """A randomly initialised model of `params.architecture`, sized to the tokenizer."""
+    return _fresh_llama(tokenizer, params) if params.architecture.family == "llama" else _fresh_gpt2(tokenizer, params)
+
+
 def _fresh_gpt2(tokenizer, params: ModelParams):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -94,6 +101,27 @@ def _fresh_gpt2(tokenizer, params: ModelParams):
         pad_token_id=tokenizer.eos_token_id,
     )
     return GPT2LMHeadModel(config)
+
+
+def _fresh_llama(tokenizer, params: ModelParams):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    arch = params.architecture
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=arch.n_embd,
+        intermediate_size=arch.mlp_width,
+        num_hidden_layers=arch.n_layer,
+        num_attention_heads=arch.n_head,
+        num_key_value_heads=arch.kv_heads,
+        max_position_embeddings=arch.n_positions,
+        rope_theta=arch.rope_theta or 10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaForCausalLM(config)
 
 
 def _pretrained(name: str):
@@ -175,7 +203,7 @@ def evaluate_perplexity(model, ids, params: TrainingParams) -> float:
     """exp(mean next-token loss) over non-overlapping eval blocks."""
     import torch
 
-    block = min(params.block_size, model.config.n_positions)
+    block = min(params.block_size, shape_of(model.config.to_dict()).max_positions)
     blocks = ids[: (len(ids) // block) * block].view(-1, block)[: params.eval_batches * params.batch_size]
     if len(blocks) == 0:
         raise TrainError(f"the eval split has {len(ids)} tokens, fewer than one block of {block}")

@@ -23,6 +23,8 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         tags.BACKEND_VERSION: manifest.backend_version,
         tags.PRECISION: manifest.precision,
         tags.TARGET: manifest.target,
+        tags.MODEL_FAMILY: manifest.model_family,
+        tags.KV_HEADS: str(manifest.kv_heads),
         tags.DATA_MD5: manifest.lineage.data_md5,
         tags.CALIBRATION_DIGEST: manifest.lineage.calibration_digest or "none",
         tags.SOURCE_MODEL_SHA256: manifest.lineage.source_model_sha256,
@@ -32,7 +34,7 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         tags.GIT_COMMIT: git_commit,
         tags.PARAMS_SHA256: params.digest(),
         tags.GATES_PASSED: tags.flag(report.passed),
-    } | ({tags.GATES_MEASURED_ON: report.machine} if report.machine else {}) | {tags.runtime(name): value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
+    } | ({tags.PARAMETER_COUNT: str(manifest.parameter_count)} if manifest.parameter_count else {}) | ({tags.GATES_MEASURED_ON: report.machine} if report.machine else {}) | {tags.runtime(name): value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
     if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
         named[tags.CHAMPION_GATE_PASSED] = tags.flag(against_champion.passed)
         named |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}
@@ -90,6 +92,12 @@ def training_record(params: Params, model: TrainedModel, data_md5: str, plot: Pa
     )
 
 
+def _model_line(manifest) -> str:
+    """The model the engine runs, in the terms a person compares models by."""
+    size = f"{manifest.parameter_count / 1e6:.2f} M parameters · " if manifest.parameter_count else ""
+    return f"Model: **{manifest.model_family}** · {size}{manifest.num_layers} layers · {manifest.num_heads} heads, {manifest.kv_heads} KV heads · vocabulary {manifest.vocab_size}"
+
+
 def version_description(
     params: Params,
     model: TrainedModel,
@@ -107,6 +115,8 @@ def version_description(
     verdict = "passed" if report.passed else "**FAILED**"
     lines = [
         f"**{m.precision} engine** of `{params.registry.model_name}` · {m.backend} {m.backend_version} · `{m.target}` · gates {verdict}",
+        "",
+        _model_line(m),
         "",
         "### Gates",
         "",

@@ -60,7 +60,7 @@ def sample_from_registry(target: RegistryTarget, version: str, wanted: SamplePar
     sampling = Sampling(max_new_tokens=wanted.max_tokens, temperature=wanted.temperature, top_p=wanted.top_p, seed=wanted.seed)
     tokenizer = EngineTokenizer(pulled.engine_dir.path)
     with loader.load(pulled) as engine:
-        ids = engine.generate([tokenizer.encode(wanted.prompt)], sampling)[0]
+        ids = engine.generate([tokenizer.encode_prompt(wanted.prompt)], sampling)[0]
     return wanted.prompt + tokenizer.decode(ids)
 
 

@@ -113,7 +113,7 @@ def submit(request: CompletionRequest, served: ServedEngine, started: float, mai
         raise ApiError(400, f"the request has {len(request.prompts)} prompts; this server takes at most {served.scheduler.max_waiting} in one request", param="prompt")
     sequences = []
     for index, prompt in enumerate(request.prompts):
-        ids = served.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = served.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise ApiError(400, f"prompt {index} encodes to no tokens", param="prompt")
         if max(ids) >= vocab:

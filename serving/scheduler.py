@@ -307,7 +307,7 @@ class Scheduler:
     def _accept(self, r: _Held, token: int, now: float) -> str | None:
         """Add a token to the sequence; the finish reason if it ends here."""
         seq = r.seq
-        if seq.sampling.stop_at_eos and token == self.engine.manifest.eos_token_id:
+        if seq.sampling.stop_at_eos and token in self.engine.manifest.stop_ids:
             return "stop"
         seq.generated.append(token)
         seq.last_token_at = now

@@ -21,6 +21,7 @@ from components.engine_dir import (
     write_manifest,
 )
 from components.files import file_sha256, stage_output
+from components.model_dir import eos_token_ids
 from components.precision import PrecisionOnnx
 
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
@@ -99,12 +100,21 @@ def _manifest(staging: Path, build: BackendBuild, graph: PrecisionOnnx, tokenize
         profiles=profiles_from_params(profiles),
         lineage=lineage,
         parity=ParityRecord(**vars(graph.onnx.parity)),
+        model_family=layout.family,
+        num_kv_heads=layout.num_kv_heads,
+        eos_token_ids=eos_token_ids(tokenizer_dir),
+        parameter_count=layout.parameter_count,
     )
 
 
 def eos_id(tokenizer_dir: Path) -> int:
+    """The end-of-text id that also pads left-padded batches: GPT-2's `<|endoftext|>`, else
+    the model's first end-of-sequence id, else the last id of the vocabulary."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|endoftext|>")
-    return eos if eos is not None else tokenizer.get_vocab_size() - 1
+    if eos is not None:
+        return eos
+    ids = eos_token_ids(tokenizer_dir)
+    return ids[0] if ids else tokenizer.get_vocab_size() - 1

@@ -157,12 +157,12 @@ class Engine(ABC):
                 if not finished[row]:
                     generated[row].append(token)
             if sampling.stop_at_eos:
-                finished |= next_ids == self.manifest.eos_token_id
+                finished |= np.isin(next_ids, list(self.manifest.stop_ids))
             if finished.all() or step == sampling.max_new_tokens - 1:
                 break
             step_logits, state = self.decode(state, next_ids)
         if sampling.stop_at_eos:
-            generated = [[t for t in row if t != self.manifest.eos_token_id] for row in generated]
+            generated = [[t for t in row if t not in self.manifest.stop_ids] for row in generated]
         return generated
 
     def _logits_positions_feed(self, input_ids: np.ndarray, logits_positions: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -175,7 +175,7 @@ class Engine(ABC):
     # ------------------------------------------------------------ profile checks
 
     def _empty_cache(self, batch: int) -> list[np.ndarray]:
-        shape = (batch, self.manifest.num_heads, 0, self.manifest.head_dim)
+        shape = (batch, self.manifest.kv_heads, 0, self.manifest.head_dim)
         return [np.zeros(shape, np.float32) for _ in self.manifest.past_names]
 
     def _check_context(self, shape: tuple[int, ...]) -> None:

@@ -13,7 +13,14 @@ class EngineTokenizer:
         self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
 
     def encode(self, text: str) -> list[int]:
+        """The text's tokens alone (a stretch of a token stream, as the gates cut them)."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the model expects to begin: with whatever the tokenizer's own
+        post-processor adds (Llama's BOS; nothing for GPT-2), as transformers and vLLM
+        encode a prompt."""
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids)
