@@ -105,7 +105,7 @@ def kv_layout_of(model) -> KVLayout:
 
 def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -> ExportedOnnx:
     """Export with a KV cache (dynamic batch, sequence and past length) and check parity."""
-    torch_model = load_model(model.path)
+    torch_model = _attending_to_the_whole_context(load_model(model.path))
     layout = kv_layout_of(torch_model)
     build = lambda staging: _export(torch_model, layout, params.opset, staging / ONNX_FILE)  # noqa: E731
     target = stage_output(out_root / f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{model.sha256[:12]}", ONNX_FILE, build)
@@ -117,6 +117,16 @@ def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -
             f"tolerance {parity.tolerance:g} (off by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) - parity.tolerance:.3g})"
         )
     return ExportedOnnx(path=target / ONNX_FILE, sha256=file_sha256(target / ONNX_FILE), opset=params.opset, layout=layout, parity=parity)
+
+
+def _attending_to_the_whole_context(model):
+    """Mistral's sliding window, dropped: the engine then attends to its whole context,
+    which is the same model wherever that context fits the window, and kiln refuses
+    profiles that do not (components.model_dir.check_fits_model). Exported, the window's
+    mask is a graph that ONNX Runtime's symbolic shape inference cannot follow."""
+    if shape_of(model.config.to_dict()).sliding_window is not None:
+        model.config.sliding_window = None
+    return model
 
 
 def _kv_wrapper(model):
