@@ -87,3 +87,18 @@ def test_torch_cuda_asked_for_int8_is_a_config_error_before_any_work(tmp_path, t
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_params(write(tmp_path, text))
     assert load_params(write(tmp_path, text.replace("int8", "fp32") if "pool" in text else text + "precision:\n  build: [fp16]\n"))
+
+
+def test_llama_keys_under_a_gpt2_architecture_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="n_kv_heads, rope_theta apply to family llama only; family is gpt2"):
+        load_params(write(tmp_path, "model:\n  architecture: {n_kv_heads: 2, rope_theta: 10000}\n"))
+
+
+def test_kv_heads_must_divide_the_heads(tmp_path):
+    with pytest.raises(ConfigError, match=r"n_kv_heads \(3\) must divide n_head \(4\)"):
+        load_params(write(tmp_path, "model:\n  architecture: {family: llama, n_head: 4, n_kv_heads: 3}\n"))
+
+
+def test_a_family_kiln_does_not_train_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="model.architecture.family"):
+        load_params(write(tmp_path, "model:\n  architecture: {family: bert}\n"))

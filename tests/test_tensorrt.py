@@ -124,3 +124,15 @@ def test_a_tensorrt_engine_generates_like_onnx_runtime_and_passes_its_gate(
 
     windows = eval_windows(EngineTokenizer(built.path), data_version.texts("eval"), params.gates.quality)
     assert quality_gate(trt_engine, reference, windows, params.gates.quality).passed
+
+
+def test_the_kv_profiles_of_a_grouped_query_model_have_its_kv_heads_not_its_query_heads(params):
+    from components.build.packaging import profiles_from_params
+    from components.build.tensorrt import profile_shapes
+    from components.export import KVLayout
+
+    layout = KVLayout(num_layers=2, num_heads=9, head_dim=64, vocab_size=49152, max_positions=2048, family="llama", num_kv_heads=3, parameter_count=1)
+    for phase in profiles_from_params(params.build.profiles).values():
+        shapes = profile_shapes(layout, phase)
+        assert {shape[1] for name in layout.past_names for shape in shapes[name]} == {3}
+        assert {shape[3] for name in layout.past_names for shape in shapes[name]} == {64}

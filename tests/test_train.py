@@ -57,3 +57,18 @@ def test_corrupt_weights_are_named(tmp_path, tiny_model):
 def test_a_missing_directory_is_named(tmp_path):
     with pytest.raises(TrainError, match="model directory not found"):
         model_from_directory(tmp_path / "absent")
+
+
+def test_a_llama_trains_from_scratch_with_grouped_query_attention_and_tied_embeddings(tmp_path, params, data_version):
+    from components.config import ArchitectureParams
+    from components.families import shape_of
+    from components.model_dir import read_config
+
+    architecture = ArchitectureParams(family="llama", n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, n_positions=128, rope_theta=50000.0)
+    llama = params.model.model_copy(update={"architecture": architecture, "training": params.model.training.model_copy(update={"steps": 60})})
+    model = model_from_data(data_version, llama, tmp_path)
+    config = read_config(model.path)
+    shape = shape_of(config)
+    assert (shape.family, shape.num_heads, shape.num_kv_heads, shape.max_positions, shape.tied_embeddings) == ("llama", 4, 2, 128, True)
+    assert config["rope_parameters"]["rope_theta"] == 50000.0 and config["intermediate_size"] == 88  # 8/3 × 32, to a multiple of 8
+    assert model.loss_curve[-1][1] < model.loss_curve[0][1]

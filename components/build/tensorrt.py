@@ -64,7 +64,7 @@ def profile_shapes(layout, phase: ShapeProfile) -> dict[str, tuple[Shape, Shape,
         batch = getattr(phase.batch, which)
         new = getattr(phase.sequence, which)
         past = getattr(phase.past, which)
-        kv = (batch, layout.num_heads, past, layout.head_dim)
+        kv = (batch, layout.num_kv_heads, past, layout.head_dim)
         kept = new if which == "max" else 1  # whose logits are computed: a prefill's last position, up to scoring's every one
         return {"input_ids": (batch, new), "attention_mask": (batch, past + new), "position_ids": (batch, new), LOGITS_POSITIONS: (kept,)} | {
             name: kv for name in layout.past_names
