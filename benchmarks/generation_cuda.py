@@ -1,5 +1,6 @@
 """`kiln bench --device cuda`: the GPU peers a user would pick against kiln's torch-cuda
-engine, on the GPT-2-small-shaped benchmark model, 32 + 128 tokens, at batch 1 and 16,
+engine, on a benchmark model of the chosen shape (GPT-2 small; `--shape smollm2-135m`, a
+Llama-family model of SmolLM2-135M's shape), 32 + 128 tokens, at batch 1 and 16,
 interleaved in one process (each row's median, and its ratio to HF eager, from the same run).
 
 Rows:
@@ -9,18 +10,26 @@ Rows:
   "static")` plus a compiled forward — the documented recipe — fails in transformers 5.17
   (generate compiles the forward itself, and the two collide; benchmarks/gpu_static_kv/
   REPORT.md §5), so this is the working form of that recipe.
+  If it fails on this model, its row says so, with the error, and has no numbers.
 * `kiln-torch-cuda-fp16`: the engine `kiln build` makes with build.backend torch-cuda.
+* at batch 1, the fp16 weight-read floor: the engine's weights read once per token at the
+  GPU's memory bandwidth (a row computed, not timed; its name gives kiln's ratio to it).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.generation import GPT2_SMALL, SHAPES, BenchRow, BenchSetup, benchmark_model_dir, random_prompts, rows_from_samples, time_interleaved
+from benchmarks.generation import SHAPES, BenchRow, BenchSetup, benchmark_model_dir, random_prompts, rows_from_samples, time_interleaved
 
 BATCHES = (1, 16)
+# Memory bandwidth by GPU name (bytes/s, the vendor's figure), for the weight-read floor.
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+MAX_CONTEXT = 1024  # the engines' cache: enough for 32 + 128, and GPT-2's whole context
 
 
 @dataclass(frozen=True)
@@ -57,19 +66,50 @@ def cuda_rows(work: Path, setup: BenchSetup, shape: str = "gpt2-small", batches:
                 "hf-static-compile-fp16": _synced(lambda ids=ids: peer.generate(ids, setup.new_tokens)),
                 "kiln-torch-cuda-fp16": lambda batch=batch: engine.generate(prompts[:batch], sampling),
             }  # fmt: skip
+            failed = _failing(candidates, "hf-static-compile-fp16")
             samples = time_interleaved(candidates, replace(setup, warmup=max(setup.warmup, 2)))  # two: compile, then capture
-            results.append(CudaRows(batch, rows_from_samples(samples, setup.new_tokens, baseline="hf-eager-fp16")))
+            rows = rows_from_samples(samples, setup.new_tokens, baseline="hf-eager-fp16")
+            if failed is not None:
+                rows.insert(1, failed)
+            if batch == 1:
+                rows += _floor_rows(rows, engine.manifest.parameter_count, torch.cuda.get_device_name(), setup)
+            results.append(CudaRows(batch, rows))
     return results
+
+
+def _failing(candidates: dict[str, Callable[[], None]], name: str) -> BenchRow | None:
+    """Run `name` once; if it raises, take it out of the timing and give the row that says so."""
+    try:
+        candidates[name]()
+    except Exception as err:  # a peer's failure is a result of the bench, whatever its type
+        del candidates[name]
+        message = " ".join(str(err).split())[:160]
+        return BenchRow(f"{name} FAILED: {type(err).__name__}: {message}", math.nan, math.nan, math.nan, ())
+    return None
+
+
+def _floor_rows(rows: list[BenchRow], parameters: int | None, gpu: str, setup: BenchSetup) -> list[BenchRow]:
+    """The fp16 weight-read floor of a generation (every token reads every weight once), named
+    with kiln's ratio to it; none where the GPU's bandwidth is not known."""
+    bandwidth = next((value for name, value in BANDWIDTH.items() if name in gpu), None)
+    if bandwidth is None or parameters is None:
+        return []
+    floor_ms = setup.new_tokens * 2 * parameters / bandwidth * 1000.0
+    kiln = next(row for row in rows if row.name.startswith("kiln-"))
+    hf = next(row for row in rows if row.name == "hf-eager-fp16")
+    name = f"fp16 weight-read floor ({2 * parameters / 1e6:.0f} MB / {bandwidth / 1e12:.2g} TB/s): kiln {kiln.median_ms / floor_ms:.2f}x it"
+    return [BenchRow(name, floor_ms, floor_ms / setup.new_tokens, hf.median_ms / floor_ms, ())]
 
 
 def torch_cuda_engine(model_dir: Path, out_root: Path, slots: int, setup: BenchSetup) -> Path:
     from components.build.torch_cuda import torch_engine_from_model
     from components.config import ProfileParams, ShapeRange
     from components.engine_dir import Lineage
+    from components.families import shape_of
     from components.model_dir import model_from_directory
 
     model = model_from_directory(model_dir)
-    context = GPT2_SMALL["n_positions"]
+    context = min(MAX_CONTEXT, shape_of(json.loads((model_dir / "config.json").read_text())).max_positions)
     profiles = ProfileParams(batch=ShapeRange(min=1, opt=1, max=slots), prompt=ShapeRange(min=1, opt=setup.prompt_tokens, max=128),
                              context=ShapeRange(min=2, opt=setup.prompt_tokens + setup.new_tokens, max=context))  # fmt: skip
     lineage = Lineage(source_model_path=str(model.path), source_model_sha256=model.sha256, onnx_sha256="-", data_md5="benchmark")

@@ -190,3 +190,62 @@ def test_runner_with_triton_step_matches_hf(hf: GPT2LMHeadModel) -> None:
     fast = td.TritonDecodeStep(dict(model.named_parameters()), model.shape, 64)
     runner = StaticKVRunner(model, num_slots=2, max_context=64, fast_step=fast, fast_max_width=2, attn_bucket=16)
     assert runner.generate(PROMPTS, 8) == [hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+# ---------------------------------------------------------------------------- the Llama family
+
+
+def _llama(family: str = "llama", **overrides):
+    """A tiny Llama-family model (grouped-query attention: 4 query heads on 2 KV heads)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, initializer_range=0.3, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **(cfg | overrides))).eval()
+    randomize_biases(model, std=0.5)  # Qwen2's q/k/v biases; the others have none
+    return model
+
+
+@pytest.mark.parametrize("gqa", ["fold", "sdpa", "repeat"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_llama_family_continuous_batching_greedy_matches_hf_with_each_way_of_grouping_queries(family: str, gqa: str) -> None:
+    from components.runtime.static_kv import StaticKVLlama
+
+    hf = _llama(family)
+    runner = StaticKVRunner(StaticKVLlama.from_hf(hf, gqa=gqa), num_slots=2, max_context=64, max_chunk=4, attn_bucket=16)
+    assert runner.generate(PROMPTS, 10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+def test_a_runner_stops_a_sequence_at_the_first_of_several_stop_tokens(hf: GPT2LMHeadModel) -> None:
+    ref = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    stops = {ref[0][3], ref[2][6]}
+    runner = StaticKVRunner(StaticKVGPT2.from_hf(hf), num_slots=2, max_context=64, max_chunk=4)
+    ends = [next((i for i, t in enumerate(r) if t in stops), None) for r in ref]
+    assert runner.generate(PROMPTS, 10, stop_token=stops) == [r if e is None else r[: e + 1] for r, e in zip(ref, ends)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_triton_llama_step_matches_decode_step(family: str) -> None:
+    td = _triton_interpreter()
+    from components.runtime.static_kv import DecodeStep, StaticKVLlama
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    model = StaticKVLlama.from_hf(_llama(family, tie_word_embeddings=family == "llama", rope_scaling=llama3 if family == "llama" else None))
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    ref, fast = DecodeStep(model, 64), td.triton_decode_step(params, model.shape, 64)
+    kc1, vc1 = model.new_cache(4, 64)
+    kc1.normal_()
+    vc1.normal_()
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    state1 = [torch.tensor([5, 17, 900]), torch.tensor([3, 10, 64]), torch.tensor([True, True, False])]
+    state2 = [t.clone() for t in state1]
+    keys = torch.arange(32)
+    with torch.no_grad():
+        for _ in range(3):
+            assert ref(*state1, keys, kc1, vc1).tolist() == fast(*state2, keys, kc2, vc2).tolist()
+            assert all(torch.equal(a, b) for a, b in zip(state1, state2))
+    torch.testing.assert_close(kc1[:, :2], kc2[:, :2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(vc1[:, :2], vc2[:, :2], atol=1e-4, rtol=1e-4)

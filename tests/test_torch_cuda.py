@@ -269,3 +269,224 @@ def test_its_registry_tags_and_version_page_say_what_it_was_built_from_and_for(c
     assert "runtime.shape" not in tags
     page = version_description(params, tiny_model, cpu_engine_dir, report, None, "0" * 40, None)
     assert f"torch-cuda {torch.__version__} · `cpu`" in page and "- model → fp32 `torch.export` program over a static KV cache (torch " in page
+
+
+# ---------------------------------------------------------------------------- the Llama family
+
+FAMILIES = ("llama", "qwen2", "mistral")
+FAMILY_PROMPTS = [[5, 17, 42], [7], [9, 10, 11, 12, 13, 14, 15, 16], [100, 3]]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """A tiny random model directory per family (no DVC, no training: they also serve the GPU
+    tests on a machine without DVC). A large init range gives diverse greedy tokens (with the
+    default 0.02 a random model repeats a token and a parity test proves little), and biases
+    large enough that a wrongly laid out Qwen2 q/k/v bias would show."""
+    from components.config import ModelParams, TokenizerParams
+    from components.runtime.static_kv import randomize_biases
+    from components.train import tokenizer_from_texts
+
+    from .model_families import random_model_dir
+
+    root = tmp_path_factory.mktemp("families")
+    texts = ["the quick brown fox jumps over the lazy dog " * 20, "def function(argument): return value " * 20]
+    tokenizer = tokenizer_from_texts(texts, ModelParams(tokenizer=TokenizerParams(vocab_size=300, min_frequency=1)))
+    dirs = {family: random_model_dir(family, tokenizer, root / family, initializer_range=0.3) for family in FAMILIES}
+    from transformers import AutoModelForCausalLM
+
+    qwen2 = AutoModelForCausalLM.from_pretrained(dirs["qwen2"]).eval()
+    randomize_biases(qwen2, std=0.5)
+    qwen2.save_pretrained(str(dirs["qwen2"]))
+    return dirs
+
+
+def family_engine(model_dir, root, precision: str = "fp32", device: str = "cpu"):
+    from components.build.torch_cuda import torch_engine_from_model
+    from components.config import ProfileParams, ShapeRange
+    from components.engine_dir import Lineage
+    from components.model_dir import model_from_directory
+
+    # The model's own digest: it names the engine folder, one per model.
+    lineage = Lineage(source_model_path=str(model_dir), source_model_sha256=model_from_directory(model_dir).sha256, onnx_sha256="-", data_md5="-")
+    profiles = ProfileParams(batch=ShapeRange(min=1, opt=1, max=4), context=ShapeRange(min=2, opt=64, max=128))
+    return torch_engine_from_model(model_dir, precision, lineage, profiles, root, device=device)
+
+
+@pytest.fixture(scope="module")
+def family_engine_dirs(family_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("family-engines")
+    return {family: family_engine(path, root) for family, path in family_dirs.items()}
+
+
+def hf_reference(model_dir):
+    from components.model_dir import load_model
+
+    return load_model(model_dir)
+
+
+def hf_greedy_tokens(reference, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [
+            reference.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def test_rotary_frequencies_and_llama3_scaling_are_transformers_own():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from components.runtime.static_kv import rotary_frequencies
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    for rope in (None, llama3, {"rope_type": "linear", "factor": 4.0}):
+        config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_theta=500000.0, rope_scaling=rope)
+        inv_freq, scaling = rotary_frequencies(config)
+        theirs = LlamaRotaryEmbedding(config)
+        assert torch.equal(inv_freq, theirs.inv_freq) and scaling == theirs.attention_scaling
+    # llama3 scaling leaves the high frequencies alone and divides the lowest by the factor.
+    plain, _ = rotary_frequencies(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0))
+    assert inv_freq.shape == plain.shape == (8,)
+    scaled, _ = rotary_frequencies(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0, rope_scaling=llama3))
+    assert scaled[0] == plain[0] and torch.allclose(scaled[-1], plain[-1] / 8.0)
+
+
+def test_a_rope_that_changes_with_the_sequence_length_is_refused_by_name():
+    from transformers import LlamaConfig
+
+    from components.runtime.static_kv import rotary_frequencies
+
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not one a static program implements"):
+        rotary_frequencies(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+def test_each_familys_engine_records_its_family_kv_heads_stop_ids_and_parameters(family_engine_dirs, family_dirs):
+    for family, engine_dir in family_engine_dirs.items():
+        manifest, reference = engine_dir.manifest, hf_reference(family_dirs[family])
+        shape = json.loads(manifest.runtime["shape"])
+        assert (manifest.model_family, shape["family"], manifest.num_heads, manifest.num_kv_heads, manifest.kv_heads) == (family, family, 4, 2, 2)
+        assert (manifest.num_layers, manifest.head_dim, manifest.max_positions) == (2, 16, 256)
+        assert manifest.stop_ids == {reference.config.eos_token_id}
+        # A tied embedding (the llama one) counts once.
+        assert manifest.parameter_count == sum(p.numel() for p in reference.parameters())
+        assert (family == "llama") == (manifest.parameter_count == sum(p.numel() for n, p in reference.named_parameters() if n != "lm_head.weight"))
+        assert shape["qkv_bias"] == (family == "qwen2")
+        assert 0 <= manifest.parity.prefill_max_abs_diff < 1e-4 and 0 <= manifest.parity.decode_max_abs_diff < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_greedy_tokens_equal_hugging_faces_generate(family_engine_dirs, family_dirs, family):
+    from components.runtime import open_engine
+
+    with open_engine(family_engine_dirs[family]) as engine:
+        ours = engine.generate(FAMILY_PROMPTS, Sampling(max_new_tokens=16, stop_at_eos=False))
+        stepwise = greedy_step_by_step(engine, FAMILY_PROMPTS, 16)  # kiln serve's path
+    theirs = hf_greedy_tokens(hf_reference(family_dirs[family]), FAMILY_PROMPTS, 16)
+    assert ours == theirs and stepwise == theirs
+    assert len({t for row in theirs for t in row}) > 8  # diverse tokens: the comparison means something
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_scores_match_hugging_face_on_left_padded_rows(family_engine_dirs, family_dirs, family):
+    from components.runtime import open_engine
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, family_engine_dirs[family].manifest.vocab_size, (3, 12))
+    mask = np.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is a 7-token prompt, left-padded
+    with open_engine(family_engine_dirs[family]) as engine:
+        ours = engine.score(ids, mask)
+    reference = hf_reference(family_dirs[family])
+    with torch.no_grad():
+        full = reference(torch.as_tensor(ids)).logits.numpy()
+        short = reference(torch.as_tensor(ids[1:2, 5:])).logits.numpy()
+    np.testing.assert_allclose(ours[[0, 2]], full[[0, 2]], atol=1e-4)
+    np.testing.assert_allclose(ours[1, 5:], short[0], atol=1e-4)
+
+
+def test_generation_stops_at_any_of_the_models_stop_ids(family_engine_dirs, tmp_path):
+    """Llama 3 ends on `<|eot_id|>` as well as `<|end_of_text|>`: every id of the manifest's
+    eos_token_ids ends a sequence, and none is part of the result."""
+    from components.engine_dir import load_engine_dir
+    from components.runtime import open_engine
+
+    copy = tmp_path / "engine"
+    shutil.copytree(family_engine_dirs["llama"].path, copy)
+    with open_engine(load_engine_dir(copy)) as engine:
+        long = engine.generate(FAMILY_PROMPTS[:2], Sampling(max_new_tokens=16, stop_at_eos=False))
+    stops = [long[0][5], long[1][9]]  # a token each row emits, the first of its kind there
+    manifest = json.loads((copy / "engine.json").read_text())
+    (copy / "engine.json").write_text(json.dumps(manifest | {"eos_token_ids": [manifest["eos_token_id"], *stops]}))
+    with open_engine(load_engine_dir(copy)) as engine:
+        stopped = engine.generate(FAMILY_PROMPTS[:2], Sampling(max_new_tokens=16, stop_at_eos=True))
+    for row, full in zip(stopped, long, strict=True):
+        end = min(full.index(t) for t in stops if t in full)
+        assert row == full[:end]
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused_at_build(family_dirs, tmp_path):
+    from transformers import AutoConfig
+
+    model_dir = tmp_path / "mistral"
+    shutil.copytree(family_dirs["mistral"], model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.sliding_window = 64
+    config.save_pretrained(model_dir)
+    with pytest.raises(BuildError, match="sliding window of 64 tokens, shorter than build.profiles.context.max .128."):
+        family_engine(model_dir, tmp_path / "engines")
+
+
+@needs_cuda
+@pytest.mark.parametrize(("family", "precision"), [(family, "fp32") for family in FAMILIES] + [("llama", "fp16")])
+def test_on_the_gpu_each_familys_greedy_tokens_match_hugging_face_and_the_triton_step_the_decode_step(family_dirs, tmp_path, family, precision):
+    """Built and run on the GPU: batched generation (Inductor-compiled step), kiln serve's
+    step-wise path, and one-row generation through the Triton step; then the Triton step
+    against the program's own decode step on the same random cache, token for token."""
+    from components.build.torch_cuda import PARITY_TOLERANCE
+    from components.runtime import open_engine
+    from components.runtime.static_kv import DecodeStep
+    from components.runtime.triton_decode import TritonLlamaDecodeStep
+
+    engine_dir = family_engine(family_dirs[family], tmp_path / "engines", precision, device="cuda")
+    theirs = hf_greedy_tokens(hf_reference(family_dirs[family]), FAMILY_PROMPTS, 32)
+    with open_engine(engine_dir) as engine, torch.no_grad():
+        batched = engine.generate(FAMILY_PROMPTS, Sampling(max_new_tokens=32, stop_at_eos=False))
+        one_row = [engine.generate([p], Sampling(max_new_tokens=32, stop_at_eos=False))[0] for p in FAMILY_PROMPTS]
+        stepwise = greedy_step_by_step(engine, FAMILY_PROMPTS, 32)
+        runner, fast = engine.runner, engine.runner.fast_step
+        assert isinstance(fast, TritonLlamaDecodeStep) and fast.pdl == (torch.cuda.get_device_capability()[0] >= 9)
+        reference_step = DecodeStep(runner.model, runner.T)
+        k1, v1 = torch.randn_like(runner.k_cache), torch.randn_like(runner.v_cache)
+        k2, v2 = k1.clone(), v1.clone()
+        state1 = [torch.tensor([5], device="cuda"), torch.tensor([40], device="cuda"), torch.tensor([True], device="cuda")]
+        state2 = [t.clone() for t in state1]
+        keys = runner.key_range[:64]
+        for _ in range(8):
+            assert reference_step(*state1, keys, k1, v1).tolist() == fast(*state2, keys, k2, v2).tolist()
+            assert all(torch.equal(a, b) for a, b in zip(state1, state2, strict=True))
+    written = slice(40, 48)  # the eight positions both steps wrote
+    tolerance = 1e-4 if precision == "fp32" else 2e-2
+    torch.testing.assert_close(k1[:, :1, :, written], k2[:, :1, :, written], atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(v1[:, :1, :, written], v2[:, :1, :, written], atol=tolerance, rtol=tolerance)
+    for ours in (batched, one_row, stepwise):
+        if precision == "fp32":
+            assert ours == theirs
+        else:  # fp16 may round a near-tie the other way, and only a near-tie
+            assert first_divergence_margins(hf_reference(family_dirs[family]), FAMILY_PROMPTS, ours, theirs) < 2 * PARITY_TOLERANCE["fp16"]
+
+
+def first_divergence_margins(reference, prompts, ours, theirs) -> float:
+    """The largest, over rows, of the reference's top-2 logit margin where our greedy tokens
+    first leave its own (0 where they never do): a flip needs a margin below twice the
+    largest logit error the build accepts."""
+    worst = 0.0
+    for prompt, mine, its in zip(prompts, ours, theirs, strict=True):
+        at = next((i for i, (a, b) in enumerate(zip(mine, its, strict=True)) if a != b), None)
+        if at is None:
+            continue
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + its[:at]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        worst = max(worst, float(top2[0] - top2[1]))
+    return worst

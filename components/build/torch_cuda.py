@@ -1,7 +1,8 @@
 """Building for the torch-cuda backend: the trained model as a static-KV program.
 
-The engine file is a `torch.export` ExportedProgram of `StaticKVGPT2.forward` (one
-function for prefill, decode and scoring; the caches are mutated inputs), with the batch,
+The engine file is a `torch.export` ExportedProgram of the static-KV model's forward
+(`StaticKVGPT2` for GPT-2, `StaticKVLlama` for Llama, Qwen2 and Mistral; one function for
+prefill, decode and scoring; the caches are mutated inputs), with the batch,
 token count, attended length and picked positions dynamic and the cache's shape fixed by
 the profile (slots = the batch profile's max, context = the context profile's max). It is
 built from the Hugging Face model directory, not from the precision ONNX: the dtype (fp32,
@@ -24,7 +25,9 @@ from components.build.packaging import BackendBuild, engine_folder, eos_id, prof
 from components.config import ProfileParams, section_digest
 from components.engine_dir import MANIFEST, TOKENIZER_FILES, EngineDir, EngineManifest, Lineage, ParityRecord, load_engine_dir, write_manifest
 from components.errors import BuildError
+from components.families import shape_of
 from components.files import file_sha256, stage_output
+from components.model_dir import eos_token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -74,12 +77,13 @@ def torch_engine_from_model(
 
     def fill(staging: Path) -> None:
         hf = _hf_model(model_dir)
+        _check_full_attention(hf.config, profiles)
         program, parity = _export_checked(hf, precision, profiles, device)
         _drop_stack_traces(program)
         torch.export.save(program, staging / ENGINE_FILE)
         for name in TOKENIZER_FILES:
             shutil.copyfile(model_dir / name, staging / name)
-        write_manifest(staging, _manifest(staging, build, hf.config, precision, model_dir, lineage, profiles, parity))
+        write_manifest(staging, _manifest(staging, build, hf, precision, model_dir, lineage, profiles, parity))
 
     return load_engine_dir(stage_output(target, MANIFEST, fill))
 
@@ -92,6 +96,14 @@ def _drop_stack_traces(program: torch.export.ExportedProgram) -> None:
         node.meta.pop("stack_trace", None)
 
 
+def _check_full_attention(config, profiles: ProfileParams) -> None:
+    """The static program attends to the whole context: a sliding window (Mistral) must
+    reach past the longest context the profiles allow, where it changes nothing."""
+    window = shape_of(config.to_dict()).sliding_window
+    if window is not None and profiles.context.max > window:
+        raise BuildError(f"the model attends within a sliding window of {window} tokens, shorter than build.profiles.context.max ({profiles.context.max}); the torch-cuda program attends to the whole context")
+
+
 def _hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
@@ -102,9 +114,9 @@ def _export_checked(hf, precision: str, profiles: ProfileParams, device: str):
     """The exported program, and its parity with the fp32 model, checked against the tolerance."""
     import torch
 
-    from components.runtime.static_kv import StaticKVGPT2
+    from components.runtime.static_kv import static_model_from_hf
 
-    static = StaticKVGPT2.from_hf(hf, dtype=getattr(torch, DTYPES[precision]), device=device)
+    static = static_model_from_hf(hf, dtype=getattr(torch, DTYPES[precision]), device=device)
     program = export_program(static, profiles.batch.max, profiles.context.max)
     parity = program_parity(program.module(), hf, profiles.batch.max, profiles.context.max, device, PARITY_TOLERANCE[precision])
     if max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) > parity.tolerance:
@@ -125,7 +137,8 @@ def export_program(model, num_slots: int, max_context: int):
     from components.runtime.static_kv import causal_bias
 
     k_cache, v_cache = model.new_cache(num_slots, max_context)
-    device, dtype = model.wte.device, model.wte.dtype
+    weight = next(model.parameters())
+    device, dtype = weight.device, weight.dtype
     # Example sizes of at least 2 everywhere: export specialises a size-1 dimension to 1.
     batch, tokens, attended = min(2, num_slots), 3, 16
     ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
@@ -152,13 +165,13 @@ def program_parity(program, hf, num_slots: int, max_context: int, device: str, t
     position of a two-row prompt batch, then `decode_steps` greedy steps on the cache."""
     import torch
 
-    from components.runtime.static_kv import causal_bias, new_cache
+    from components.runtime.static_kv import causal_bias, new_cache, static_shape
 
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, hf.config.vocab_size, (2, 7), generator=generator)
     steps = torch.randint(0, hf.config.vocab_size, (2, decode_steps), generator=generator)
     weight = next(program.parameters())
-    k_cache, v_cache = new_cache(_shape_of(hf.config), num_slots, max_context, weight.dtype, weight.device)  # the program's own cache shape
+    k_cache, v_cache = new_cache(static_shape(hf.config), num_slots, max_context, weight.dtype, weight.device)  # the program's own cache shape
     keys = torch.arange(max_context, device=device)
     with torch.no_grad():
         reference = hf(torch.cat([prompt, steps], dim=1)).logits
@@ -174,13 +187,10 @@ def program_parity(program, hf, num_slots: int, max_context: int, device: str, t
     return ParityRecord(prefill_max_abs_diff=prefill, decode_max_abs_diff=decode, tolerance=tolerance)
 
 
-def _shape_of(config):
-    from components.runtime.static_kv import GPT2Shape
+def _manifest(staging: Path, build: BackendBuild, hf, precision: str, model_dir: Path, lineage: Lineage, profiles: ProfileParams, parity: ParityRecord) -> EngineManifest:
+    from components.runtime.static_kv import static_shape
 
-    return GPT2Shape.from_hf_config(config)
-
-
-def _manifest(staging: Path, build: BackendBuild, config, precision: str, model_dir: Path, lineage: Lineage, profiles: ProfileParams, parity: ParityRecord) -> EngineManifest:
+    shape = shape_of(hf.config.to_dict())
     return EngineManifest(
         backend=build.backend,
         backend_version=build.version,
@@ -191,14 +201,20 @@ def _manifest(staging: Path, build: BackendBuild, config, precision: str, model_
         engine_sha256=file_sha256(staging / build.engine_file),
         inputs=PROGRAM_INPUTS,
         outputs=["logits"],
-        num_layers=config.n_layer,
-        num_heads=config.n_head,
-        head_dim=config.n_embd // config.n_head,
-        vocab_size=config.vocab_size,
-        max_positions=config.n_positions,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        max_positions=shape.max_positions,
         eos_token_id=eos_id(model_dir),
         profiles=profiles_from_params(profiles),
         lineage=lineage,
         parity=parity,
-        runtime=torch_versions() | {"shape": json.dumps(asdict(_shape_of(config)))},
+        # The static model's own shape, which the runtime reads back (static_shape_from_json).
+        runtime=torch_versions() | {"shape": json.dumps(asdict(static_shape(hf.config)))},
+        model_family=shape.family,
+        num_kv_heads=shape.num_kv_heads,
+        eos_token_ids=eos_token_ids(model_dir),
+        # parameters() yields a tied embedding once.
+        parameter_count=sum(p.numel() for p in hf.parameters()),
     )

@@ -1,8 +1,8 @@
-"""GPT-2 over a static, slot-indexed KV cache, with CUDA-graph-captured decode.
+"""GPT-2 and the Llama family over a static, slot-indexed KV cache, with CUDA-graph-captured decode.
 
 The pieces, bottom up:
 
-* `StaticKVGPT2` — the model as one pure function of (tokens, positions, attention bias,
+* `StaticKVGPT2`, `StaticKVLlama` (Llama, Qwen2, Mistral) — the model as one pure function of (tokens, positions, attention bias,
   picked, k_cache, v_cache). It writes the new tokens' keys and values into the
   caches in place and returns logits for the picked positions of each row. The same `forward` serves
   prefill (P tokens per row) and decode (P = 1), so a single `torch.export` program is the
@@ -12,8 +12,8 @@ The pieces, bottom up:
 
 Conventions that the rest relies on:
 
-* Cache layout (layers, slots, heads, max_context + 1, head_dim), one tensor for k and
-  one for v. The extra last position (index `max_context`) is a scratch column: a row
+* Cache layout (layers, slots, kv_heads, max_context + 1, head_dim), one tensor for k and
+  one for v (kv_heads = the query heads for GPT-2, num_key_value_heads for the Llama family). The extra last position (index `max_context`) is a scratch column: a row
   whose writes must be discarded (padding, rows not being prefilled) writes there, and
   attention never reads it because `attn_len <= max_context`. This keeps every write
   branch-free, which is what makes the step graph-capturable and exportable.
@@ -30,7 +30,8 @@ Conventions that the rest relies on:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import json
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,19 @@ class GPT2Shape:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    # The names new_cache and the runner read for every family.
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
+
+    @property
+    def cache_heads(self) -> int:
+        return self.n_head
+
+    @property
+    def max_positions(self) -> int:
+        return self.n_positions
 
     @classmethod
     def from_hf_config(cls, config) -> GPT2Shape:
@@ -210,13 +224,266 @@ class StaticKVGPT2(nn.Module):
         return self(input_ids, pos, bias, torch.arange(P, device=input_ids.device).expand(B, P), kc, vc)
 
 
+# Rotary variants whose frequencies are fixed at build time (transformers' "dynamic" and
+# "longrope" change them with the sequence length, which a static program cannot follow).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The config values the static Llama-family model needs (Llama, Qwen2, Mistral)."""
+
+    family: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+    eps: float
+    qkv_bias: bool  # Qwen2; Llama with attention_bias
+    o_bias: bool  # Llama with attention_bias
+    rope_scaling: float = 1.0  # transformers' attention_scaling: the factor on cos and sin
+
+    @property
+    def cache_heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, config) -> LlamaShape:
+        family = config.model_type
+        if family not in LLAMA_FAMILIES:
+            raise ValueError(f"model_type {family!r} is not one of the Llama family ({', '.join(LLAMA_FAMILIES)})")
+        if config.hidden_act != "silu":
+            raise ValueError(f"activation {config.hidden_act!r} is not the SiLU (SwiGLU) this model implements")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("MLP biases are not implemented")
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ValueError(f"{config.num_attention_heads} query heads do not divide into {config.num_key_value_heads} KV heads")
+        attention_bias = bool(getattr(config, "attention_bias", False)) and family == "llama"
+        _, scaling = rotary_frequencies(config)
+        return cls(
+            family=family,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            max_positions=config.max_position_embeddings,
+            eps=config.rms_norm_eps,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            rope_scaling=float(scaling),
+        )
+
+
+def rotary_frequencies(config) -> tuple[Tensor, float]:
+    """(inv_freq (head_dim // 2,) fp32, attention scaling), computed as transformers does for
+    the config's `rope_parameters` (`rope_scaling` in older configs): its own init function
+    for a scaled variant, the plain 1 / theta^(2i/d) otherwise."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not one a static program implements ({', '.join(STATIC_ROPE_TYPES)})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not implemented")
+    if rope_type == "default":
+        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return inv_freq.float(), float(scaling)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' LlamaRMSNorm: statistics and scaling in fp32, the weight in the model dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """transformers' apply_rotary_pos_emb on (B, P, heads, D): halves, not interleaved pairs."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class StaticKVLlama(nn.Module):
+    """The Llama family (Llama 2/3, SmolLM, Qwen2, Mistral) over caller-owned static KV
+    caches, with StaticKVGPT2's forward signature and conventions.
+
+    Weights keep nn.Linear's (out, in) layout, stacked per kind (n_layer, ...), with q, k, v
+    fused into one (H + 2 KVH) * D-row matrix and gate, up into one 2I-row matrix (one GEMM
+    each). The cache holds the KV heads only; `gqa` picks how a group of query heads meets
+    its KV head: "fold" (the group's queries become rows of one attention call per KV head,
+    the cache is read as it is), "sdpa" (SDPA's enable_gqa) or "repeat" (repeat_interleave).
+    """
+
+    GQA_MODES = ("fold", "sdpa", "repeat")
+
+    def __init__(
+        self,
+        shape: LlamaShape,
+        state_dict: Mapping[str, Tensor],
+        inv_freq: Tensor,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        gqa: str = "fold",
+    ) -> None:
+        super().__init__()
+        if gqa not in self.GQA_MODES:
+            raise ValueError(f"gqa {gqa!r} is not one of {', '.join(self.GQA_MODES)}")
+        self.shape, self.gqa = shape, gqa
+        state = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        L = shape.num_layers
+
+        def param(t: Tensor) -> nn.Parameter:
+            return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+
+        def stacked(*suffixes: str) -> Tensor:
+            return torch.stack([torch.cat([state[f"layers.{i}.{s}"] for s in suffixes]) for i in range(L)])
+
+        self.embed = param(state["embed_tokens.weight"])
+        self.ln1_w = param(stacked("input_layernorm.weight"))
+        self.ln2_w = param(stacked("post_attention_layernorm.weight"))
+        self.w_qkv = param(stacked("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
+        self.b_qkv = param(stacked("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")) if shape.qkv_bias else None
+        self.w_o = param(stacked("self_attn.o_proj.weight"))
+        self.b_o = param(stacked("self_attn.o_proj.bias")) if shape.o_bias else None
+        self.w_gate_up = param(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+        self.w_down = param(stacked("mlp.down_proj.weight"))
+        self.lnf_w = param(state["norm.weight"])
+        lm_head = state.get("lm_head.weight")
+        embed = state["embed_tokens.weight"]
+        self.tied = lm_head is None or lm_head.data_ptr() == embed.data_ptr() or torch.equal(lm_head, embed)
+        self.lm_head = None if self.tied else param(lm_head)
+        # Persistent: the frequencies were computed at build time (llama3 scaling and all),
+        # and the program and the Triton step read them from here. Kept fp32 in every dtype.
+        self.register_buffer("inv_freq", inv_freq.detach().to(device=device, dtype=torch.float32).contiguous())
+        self.register_buffer("layer_ids", torch.arange(L, device=device), persistent=False)
+        self.register_buffer("head_ids", torch.arange(shape.num_kv_heads, device=device), persistent=False)
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, **kwargs) -> StaticKVLlama:
+        inv_freq, _ = rotary_frequencies(model.config)
+        return cls(LlamaShape.from_hf_config(model.config), model.state_dict(), inv_freq, **kwargs)
+
+    def new_cache(self, num_slots: int, max_context: int) -> tuple[Tensor, Tensor]:
+        return new_cache(self.shape, num_slots, max_context, self.embed.dtype, self.embed.device)
+
+    def _rotary(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (B, P, 1, D) as transformers makes them: fp32 angles, cast to the model dtype.
+        Scratch positions need no clamp: the angle is computed, not looked up."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.shape.rope_scaling, emb.sin() * self.shape.rope_scaling
+        return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+        """q (B, P, H, D), keys/values (B, KVH, A, D) → (B, P, H * D); query head h reads KV
+        head h // group, as transformers' repeat_kv pairs them."""
+        B, P, H, D = q.shape
+        KVH, G = self.shape.num_kv_heads, self.shape.group
+        if self.gqa == "fold":
+            # (B, KVH, G * P, D): each KV head's group as extra query rows; `bias` is the
+            # per-step mask already repeated G times along the query axis.
+            qf = q.view(B, P, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * P, D)
+            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=bias)
+            return o.view(B, KVH, G, P, D).permute(0, 3, 1, 2, 4).reshape(B, P, H * D)
+        if self.gqa == "repeat":
+            keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias, enable_gqa=self.gqa == "sdpa")
+        return o.transpose(1, 2).reshape(B, P, H * D)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # (B, P) int64
+        positions: Tensor,  # (B, P) int64; max_context (scratch) for tokens to discard
+        attn_bias: Tensor,  # (B, 1, P, A) model dtype, 0 or -inf; A = attended cache length
+        picked: Tensor,  # (B, K) int64: which of the P tokens give logits
+        k_cache: Tensor,  # (L, S, KVH, T+1, D), written in place, S >= B
+        v_cache: Tensor,
+    ) -> Tensor:
+        """Logits (B, K, vocab) of the picked tokens, after writing all B*P tokens' k/v."""
+        s = self.shape
+        B, P = input_ids.shape
+        A = attn_bias.shape[-1]
+        H, KVH, D, E, I = s.num_heads, s.num_kv_heads, s.head_dim, s.hidden_size, s.intermediate_size
+        x = F.embedding(input_ids, self.embed).view(B * P, E)
+        cos, sin = self._rotary(positions, x.dtype)
+        if self.gqa == "fold" and s.group > 1:
+            attn_bias = attn_bias.unsqueeze(2).expand(B, 1, s.group, P, A).reshape(B, 1, s.group * P, A)
+        rows = torch.arange(B, device=input_ids.device).view(B, 1, 1)
+        heads = self.head_ids.view(1, 1, KVH)
+        write_pos = positions.view(B, P, 1)
+        for layer in range(s.num_layers):
+            a = _rms_norm(x, self.ln1_w[layer], s.eps)
+            b_qkv = None if self.b_qkv is None else self.b_qkv[layer]
+            qkv = F.linear(a, self.w_qkv[layer], b_qkv).view(B, P, H + 2 * KVH, D)
+            q = _rotate(qkv[:, :, :H], cos, sin)
+            k = _rotate(qkv[:, :, H : H + KVH], cos, sin)
+            # As in StaticKVGPT2: one index_put per cache on the cache tensor itself.
+            index = (self.layer_ids[layer], rows, heads, write_pos)
+            k_cache.index_put_(index, k)
+            v_cache.index_put_(index, qkv[:, :, H + KVH :])
+            o = self._attend(q, k_cache[layer, :B, :, :A], v_cache[layer, :B, :, :A], attn_bias)
+            x = x + F.linear(o.view(B * P, H * D), self.w_o[layer], None if self.b_o is None else self.b_o[layer])
+            a = _rms_norm(x, self.ln2_w[layer], s.eps)
+            gate_up = F.linear(a, self.w_gate_up[layer])
+            x = x + F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], self.w_down[layer])
+        x_last = x.view(B, P, E)[torch.arange(B, device=x.device).view(B, 1), picked]
+        x_last = _rms_norm(x_last, self.lnf_w, s.eps)
+        return F.linear(x_last, self.embed if self.lm_head is None else self.lm_head)
+
+    @torch.no_grad()
+    def score(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Logits of every position, (B, P, vocab), for kiln's left-padded batches (as StaticKVGPT2.score)."""
+        B, P = input_ids.shape
+        kc, vc = self.new_cache(B, P)
+        pos = left_padded_positions(attention_mask, scratch=P)
+        bias = causal_bias(pos, torch.arange(P, device=input_ids.device), self.embed.dtype)
+        return self(input_ids, pos, bias, torch.arange(P, device=input_ids.device).expand(B, P), kc, vc)
+
+
+StaticShape = GPT2Shape | LlamaShape
+
+
+def static_shape(config) -> StaticShape:
+    """The static model's shape for a transformers config of any family kiln builds."""
+    return GPT2Shape.from_hf_config(config) if config.model_type == "gpt2" else LlamaShape.from_hf_config(config)
+
+
+def static_shape_from_json(text: str) -> StaticShape:
+    """The shape an engine recorded (`asdict` as JSON); GPT-2's names no family, as before the Llama family."""
+    fields = json.loads(text)
+    return LlamaShape(**fields) if fields.get("family", "gpt2") != "gpt2" else GPT2Shape(**fields)
+
+
+def static_model_from_hf(model: nn.Module, **kwargs) -> StaticKVGPT2 | StaticKVLlama:
+    """The static-KV model of a transformers causal LM, by family."""
+    return (StaticKVGPT2 if model.config.model_type == "gpt2" else StaticKVLlama).from_hf(model, **kwargs)
+
+
 def new_cache(
-    shape: GPT2Shape, num_slots: int, max_context: int, dtype: torch.dtype, device: torch.device | str
+    shape: StaticShape, num_slots: int, max_context: int, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[Tensor, Tensor]:
-    """k and v caches (layers, slots, heads, max_context + 1, head_dim); +1 is the scratch column."""
-    if max_context > shape.n_positions:
-        raise ValueError(f"max_context {max_context} exceeds the model's {shape.n_positions} positions")
-    size = (shape.n_layer, num_slots, shape.n_head, max_context + 1, shape.head_dim)
+    """k and v caches (layers, slots, kv_heads, max_context + 1, head_dim); +1 is the scratch column."""
+    if max_context > shape.max_positions:
+        raise ValueError(f"max_context {max_context} exceeds the model's {shape.max_positions} positions")
+    size = (shape.num_layers, num_slots, shape.cache_heads, max_context + 1, shape.head_dim)
     return torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device)
 
 
@@ -382,7 +649,7 @@ class StaticKVRunner:
         *,
         num_slots: int,
         max_context: int,
-        shape: GPT2Shape | None = None,
+        shape: StaticShape | None = None,
         decode_core: Core | None = None,
         prefill_core: Core | None = None,
         compile_step: bool = False,
@@ -395,8 +662,8 @@ class StaticKVRunner:
         prompt_bucket: int = 16,
         log_capacity: int = 1024,
     ) -> None:
-        # `model` is a StaticKVGPT2 or anything with its forward signature, such as a
-        # loaded ExportedProgram's .module() (then `shape` must be given).
+        # `model` is a StaticKVGPT2, a StaticKVLlama or anything with their forward signature,
+        # such as a loaded ExportedProgram's .module() (then `shape` must be given).
         self.model = model
         weight = next(iter(model.parameters()))
         self.device, self.dtype = weight.device, weight.dtype
@@ -579,13 +846,15 @@ class StaticKVRunner:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         greedy: bool = True,
-        stop_token: int | None = None,
+        stop_token: int | Collection[int] | None = None,
     ) -> list[list[int]]:
         """Greedy continuations (without the prompt), continuous batching over the slots.
 
         Prompts beyond the slot count wait and are admitted as slots free up. A sequence
-        stops after max_new_tokens, or after emitting stop_token (included) if given.
+        stops after max_new_tokens, or after emitting a stop token (included) if given: one
+        id, or several (Llama 3 ends on either of two).
         """
+        stops = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
         if not greedy:
             raise NotImplementedError("only greedy decoding is captured; sampling needs graph-safe RNG")
         for p in prompts:
@@ -607,8 +876,9 @@ class StaticKVRunner:
             # Needs the tokens on the host: one read-back per chunk when a stop token is set.
             self._flush(all_seqs())
             for seq in running.values():
-                if stop_token in seq.tokens:
-                    seq.tokens = seq.tokens[: seq.tokens.index(stop_token) + 1]
+                end = next((i for i, t in enumerate(seq.tokens) if t in stops), None)
+                if end is not None:
+                    seq.tokens = seq.tokens[: end + 1]
                     seq.remaining = 0
 
         def retire() -> None:
@@ -644,7 +914,7 @@ class StaticKVRunner:
                 for seq in admitted:
                     seq.columns.append(col)
                     seq.remaining -= 1
-                if stop_token is not None:
+                if stops:
                     check_stop()
                 retire()
             if not running:
@@ -662,7 +932,7 @@ class StaticKVRunner:
                 seq.columns.extend(range(start, start + k))
                 seq.remaining -= k
                 host_pos[seq.slot] += k
-            if stop_token is not None:
+            if stops:
                 check_stop()
             retire()
         self._flush(finished)
@@ -685,20 +955,27 @@ def randomize_biases(model: nn.Module, std: float = 0.02) -> None:
                 p.normal_(0.0, std)
 
 
-def bytes_of_weights(model: StaticKVGPT2) -> int:
+def bytes_of_weights(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 __all__ = [
     "DecodeStep",
     "GPT2Shape",
+    "LlamaShape",
     "LogitsStepGraphs",
     "PrefillStep",
     "StaticKVGPT2",
+    "StaticKVLlama",
     "StaticKVRunner",
+    "StaticShape",
     "bytes_of_weights",
     "causal_bias",
     "left_padded_positions",
     "new_cache",
     "randomize_biases",
+    "rotary_frequencies",
+    "static_model_from_hf",
+    "static_shape",
+    "static_shape_from_json",
 ]

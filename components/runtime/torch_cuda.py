@@ -16,7 +16,6 @@ positions. Two ways through the same program:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,14 +73,14 @@ class TorchCudaEngine(Engine):
     def _runner(self):
         import torch
 
-        from components.runtime.static_kv import GPT2Shape, StaticKVRunner
+        from components.runtime.static_kv import StaticKVRunner, static_shape_from_json
 
         try:
             program = torch.export.load(self.engine_dir.engine_file).module()
         except Exception as err:  # torch raises several types for a bad archive
             raise EngineError(f"torch cannot load the program {self.engine_dir.engine_file}: {err}") from err
         program.to(self.device)
-        shape = GPT2Shape(**json.loads(self.manifest.runtime["shape"]))
+        shape = static_shape_from_json(self.manifest.runtime["shape"])
         slots, context = self.manifest.profiles["generation"].batch.max, self.manifest.profiles["generation"].past.max + 1
         fast_step = _triton_step(program, shape, context) if self.device == "cuda" else None
         return StaticKVRunner(program, shape=shape, num_slots=slots, max_context=context, compile_step=self.device == "cuda", fast_step=fast_step)
@@ -161,16 +160,16 @@ class TorchCudaEngine(Engine):
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """Greedy continuations, batched continuously over the cache's slots (more prompts
         than slots wait for one); stops at the end-of-text token when asked, which, as for
-        every engine, is not part of the result."""
+        every engine, is not part of the result (any of the model's stop ids: Llama 3 has two)."""
         if not sampling.greedy:
             raise EngineError("torch-cuda engines generate greedily (temperature 0); sampling is not captured in their graphs yet")
         if not prompts or any(not p for p in prompts):
             raise ShapeOutOfProfile("every prompt needs at least one token")
         self._check_total(max(map(len, prompts)) + sampling.max_new_tokens)
         self._check_no_slots_held("generate")
-        eos = self.manifest.eos_token_id
-        rows = self.runner.generate(prompts, sampling.max_new_tokens, stop_token=eos if sampling.stop_at_eos else None)
-        return [[t for t in row if t != eos] for row in rows] if sampling.stop_at_eos else rows
+        stops = self.manifest.stop_ids
+        rows = self.runner.generate(prompts, sampling.max_new_tokens, stop_token=stops if sampling.stop_at_eos else None)
+        return [[t for t in row if t not in stops] for row in rows] if sampling.stop_at_eos else rows
 
     def warm_up(self, prompt_tokens: int, new_tokens: int) -> None:
         """Compile and capture the graphs of one row and of a full batch of this shape."""
@@ -181,12 +180,14 @@ class TorchCudaEngine(Engine):
 
 
 def _triton_step(program, shape, max_context: int):
-    """The one-row Triton decode step, where Triton is installed (it ships with CUDA torch)."""
+    """The one-row Triton decode step of the model's family, where Triton is installed (it
+    ships with CUDA torch)."""
     try:
-        from components.runtime.triton_decode import TritonDecodeStep
+        from components.runtime.triton_decode import triton_decode_step
     except ImportError:
         return None
-    return TritonDecodeStep(dict(program.named_parameters()), shape, max_context)
+    # Buffers too: the Llama family's rotary frequencies are one.
+    return triton_decode_step(dict(program.named_parameters()) | dict(program.named_buffers()), shape, max_context)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""A decode step from five hand-written Triton kernels per layer, for small batches.
+"""A decode step from five hand-written Triton kernels per layer, for small batches: GPT-2's
+(`TritonDecodeStep`) and the Llama family's (`TritonLlamaDecodeStep`, below).
 
 Why: on the H200 the Inductor-compiled step spends ~410 us of GPU time per token at
 batch 1, 227 us of it in 48 cuBLAS GEMV-shaped GEMMs (tiny grids: one 64-column tile per
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from components.runtime.static_kv import GPT2Shape
+from components.runtime.static_kv import GPT2Shape, LlamaShape, StaticShape
 
 
 @triton.jit
@@ -148,9 +149,11 @@ def _ln_gemv_kernel(
 @triton.jit
 def _decode_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, scale, stride_s, stride_h, stride_t,
-    n_keys: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr, EARLY_KV: tl.constexpr,
+    n_keys: tl.constexpr, H: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_KV: tl.constexpr,
 ):
-    """One (row, head) per CTA: online softmax over cache positions t < n_keys, t <= pos.
+    """One (row, query head) per CTA: online softmax over cache positions t < n_keys, t <= pos.
+    Query head h reads KV head h // GROUP (grouped-query attention; GROUP 1 for GPT-2).
 
     n_keys is a compile-time constant: one specialisation per attended-length bucket
     (a handful), and it keeps the loop bound static. BLOCK_T >= n_keys makes it one pass
@@ -161,7 +164,7 @@ def _decode_attn_kernel(
     h = tl.program_id(1)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BLOCK_T)
-    base = b * stride_s + h * stride_h
+    base = b * stride_s + (h // GROUP) * stride_h
     kv_off = base + offs_t[:, None] * stride_t + offs_d[None, :]
     if EARLY_KV:
         # Keys and values before the row's position come from earlier steps, finished once
@@ -306,7 +309,7 @@ class TritonDecodeStep:
             st = kc.stride()
             _decode_attn_kernel[(B, H)](
                 q, kc, vc, positions, o, self.scale, st[0], st[1], st[2],
-                n_keys=n_keys, H=H, D=D, BLOCK_T=min(self.ATTN_BLOCK_T, _pow2(n_keys)), num_warps=self.ATTN_WARPS,
+                n_keys=n_keys, H=H, D=D, GROUP=1, BLOCK_T=min(self.ATTN_BLOCK_T, _pow2(n_keys)), num_warps=self.ATTN_WARPS,
                 USE_PDL=self.pdl, EARLY_KV=self.ATTN_EARLY_KV, launch_pdl=self.pdl,
             )
             self._gemv(o, self.w_o[layer], self.OPROJ, E, E, x, bias=p["b_o"][layer], res=x)
@@ -315,3 +318,216 @@ class TritonDecodeStep:
         self._gemv(x, self.head, self.HEAD, V, E, x, ln=(p["lnf_w"], p["lnf_b"]), mode=2, argmax=(pval, pidx))
         _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb), USE_PDL=self.pdl, launch_pdl=self.pdl)
         return nxt
+
+
+# ---------------------------------------------------------------------------- the Llama family
+#
+# Per layer: [RMSNorm1 + QKV + bias + rotary + k/v cache write] [attention, query head h on
+# KV head h // group] [O-proj + bias + residual] [RMSNorm2 + gate/up + SiLU(gate) * up]
+# [down + residual]; then [RMSNorm_f + lm_head + per-block argmax] and the shared finish.
+# The rotary halves of a head (i and i + D/2) and a gate row with its up row are computed by
+# the same CTA, so the pairing needs no second pass.
+
+
+@triton.jit
+def _llama_embed_kernel(tok_ptr, emb_ptr, x_ptr, E: tl.constexpr, E_POW2: tl.constexpr, USE_PDL: tl.constexpr):
+    b = tl.program_id(0)
+    _after_previous_kernel(USE_PDL)
+    tok = tl.load(tok_ptr + b)
+    offs = tl.arange(0, E_POW2)
+    m = offs < E
+    tl.store(x_ptr + b * E + offs, tl.load(emb_ptr + tok * E + offs, mask=m, other=0.0).to(tl.float32), mask=m)
+
+
+@triton.jit
+def _rms_gemv_kernel(
+    x_ptr, nw_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
+    # MODE 1 (QKV): this layer's k/v caches (S, KVH, T+1, D), positions, rotary tables (T+1, D/2)
+    kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr, stride_s, stride_h, stride_t,
+    # MODE 2 (lm_head): per-block max and argmax
+    pval_ptr, pidx_ptr, NB,
+    N, eps,
+    K: tl.constexpr, K_POW2: tl.constexpr, D: tl.constexpr, QD: tl.constexpr, KVD: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Item n of N per output lane, w row-major (rows, K), x normalised by RMSNorm if asked.
+
+    MODE 0: out[b, n] = w[n] . x (+ bias, + residual). MODE 1: n is a rotary pair of the
+    fused q/k/v rows, (head, i) → rows head*D + i and head*D + i + D/2; q goes to out (B, QD),
+    k (rotated) and v to the cache at the row's position. MODE 2: lm_head, per-block argmax.
+    MODE 3: out[b, n] = silu(w[n] . x) * (w[n + N] . x), gate and up rows of one matrix.
+    Grid (cdiv(N, BLOCK_N), B); first weight tiles load before the wait, as _ln_gemv_kernel's.
+    """
+    PAIRED: tl.constexpr = MODE == 1 or MODE == 3
+    HALF: tl.constexpr = D // 2
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if MODE == 1:
+        r1 = (offs_n // HALF) * D + offs_n % HALF
+        r2 = r1 + HALF
+    else:
+        r1 = offs_n
+        r2 = offs_n + N
+    x_row = x_ptr + b * K
+    first_k = tl.arange(0, BLOCK_K)
+    wmask = mask_n[:, None] & (first_k < K)[None, :]
+    w1 = tl.load(w_ptr + r1[:, None] * K + first_k[None, :], mask=wmask, other=0.0)
+    if PAIRED:
+        w2 = tl.load(w_ptr + r2[:, None] * K + first_k[None, :], mask=wmask, other=0.0)
+    _after_previous_kernel(USE_PDL)
+    if BLOCK_K >= K:
+        mask_k = first_k < K
+        xk = tl.load(x_row + first_k, mask=mask_k, other=0.0)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(xk * xk, axis=0) / K + eps)
+            xk = xk * rstd * tl.load(nw_ptr + first_k, mask=mask_k, other=0.0).to(tl.float32)
+        acc1 = tl.sum(w1.to(tl.float32) * xk[None, :], axis=1)
+        if PAIRED:
+            acc2 = tl.sum(w2.to(tl.float32) * xk[None, :], axis=1)
+    else:
+        if HAS_NORM:
+            offs = tl.arange(0, K_POW2)
+            xr = tl.load(x_row + offs, mask=offs < K, other=0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xr * xr, axis=0) / K + eps)
+        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xk = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+            if HAS_NORM:
+                xk = xk * rstd * tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            if k0 > 0:
+                wmask = mask_n[:, None] & mask_k[None, :]
+                w1 = tl.load(w_ptr + r1[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)
+                if PAIRED:
+                    w2 = tl.load(w_ptr + r2[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)
+            acc1 += tl.sum(w1.to(tl.float32) * xk[None, :], axis=1)
+            if PAIRED:
+                acc2 += tl.sum(w2.to(tl.float32) * xk[None, :], axis=1)
+    if HAS_BIAS:
+        acc1 += tl.load(bias_ptr + r1, mask=mask_n, other=0.0).to(tl.float32)
+        if PAIRED:
+            acc2 += tl.load(bias_ptr + r2, mask=mask_n, other=0.0).to(tl.float32)
+    if MODE == 0:
+        if HAS_RES:
+            acc1 += tl.load(res_ptr + b * N + offs_n, mask=mask_n, other=0.0)
+        tl.store(out_ptr + b * N + offs_n, acc1, mask=mask_n)
+    elif MODE == 1:
+        pos = tl.load(pos_ptr + b)
+        i = offs_n % HALF
+        c = tl.load(cos_ptr + pos * HALF + i, mask=mask_n, other=0.0)
+        s = tl.load(sin_ptr + pos * HALF + i, mask=mask_n, other=0.0)
+        rotated = r1 < QD + KVD  # q and k heads; v is not rotated
+        o1 = tl.where(rotated, acc1 * c - acc2 * s, acc1)
+        o2 = tl.where(rotated, acc2 * c + acc1 * s, acc2)
+        tl.store(out_ptr + b * QD + r1, o1, mask=mask_n & (r1 < QD))
+        tl.store(out_ptr + b * QD + r2, o2, mask=mask_n & (r2 < QD))
+        row = b * stride_s + pos * stride_t
+        is_k = mask_n & (r1 >= QD) & (r1 < QD + KVD)
+        is_v = mask_n & (r1 >= QD + KVD)
+        k1, k2 = r1 - QD, r2 - QD
+        v1, v2 = r1 - QD - KVD, r2 - QD - KVD
+        dt = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + row + (k1 // D) * stride_h + k1 % D, o1.to(dt), mask=is_k)
+        tl.store(kc_ptr + row + (k2 // D) * stride_h + k2 % D, o2.to(dt), mask=is_k)
+        tl.store(vc_ptr + row + (v1 // D) * stride_h + v1 % D, o1.to(dt), mask=is_v)
+        tl.store(vc_ptr + row + (v2 // D) * stride_h + v2 % D, o2.to(dt), mask=is_v)
+    elif MODE == 3:
+        tl.store(out_ptr + b * N + offs_n, acc1 * tl.sigmoid(acc1) * acc2, mask=mask_n)
+    else:
+        vals = tl.where(mask_n, acc1, float("-inf"))
+        tl.store(pval_ptr + b * NB + pid_n, tl.max(vals, axis=0))
+        tl.store(pidx_ptr + b * NB + pid_n, (pid_n * BLOCK_N + tl.argmax(vals, axis=0)).to(tl.int64))
+
+
+class TritonLlamaDecodeStep:
+    """Drop-in for DecodeStep(StaticKVLlama): (tokens, positions, active, key_range, k_cache,
+    v_cache) -> next. Built from StaticKVLlama-named parameters and its `inv_freq` buffer (a
+    StaticKVLlama's or a loaded program's); its weights are already (out, in) rows, so they
+    are used as they are. Rotary cos/sin come from a table over the cache's positions
+    (scratch included), made once from those frequencies as the model makes them.
+    """
+
+    # (BLOCK_N, BLOCK_K, warps); BLOCK_N counts items: rotary pairs (QKV) and gate/up pairs
+    # (GATE_UP) are two weight rows each. BLOCK_K None: the whole row, as TritonDecodeStep.
+    QKV, OPROJ, GATE_UP, DOWN, HEAD = (2, None, 1), (2, None, 2), (2, None, 1), (2, None, 2), (16, None, 2)
+    GEMV_WARPS = 2
+    MAX_BLOCK_K = 4096
+    ATTN_BLOCK_T, ATTN_WARPS = 256, 4
+    ATTN_EARLY_KV = True
+
+    def __init__(self, params: Mapping[str, Tensor], shape: LlamaShape, max_context: int, pdl: bool | None = None) -> None:
+        self.s = shape
+        self.max_context = max_context
+        self.pdl = pdl if pdl is not None else _has_pdl(params["embed"].device)
+        self.p = {k: params.get(k) for k in ("embed", "ln1_w", "ln2_w", "w_qkv", "b_qkv", "w_o", "b_o", "w_gate_up", "w_down", "lnf_w")}
+        self.head = params["lm_head"] if params.get("lm_head") is not None else params["embed"]
+        inv_freq = params["inv_freq"]
+        freqs = torch.arange(max_context + 1, device=inv_freq.device).float().unsqueeze(-1) * inv_freq
+        dtype = params["embed"].dtype
+        # As StaticKVLlama._rotary: fp32 angles, scaled, rounded to the model dtype.
+        self.cos = (freqs.cos() * shape.rope_scaling).to(dtype).float().contiguous()
+        self.sin = (freqs.sin() * shape.rope_scaling).to(dtype).float().contiguous()
+        self.scale = 1.0 / math.sqrt(shape.head_dim)
+
+    def _gemv(self, x, w, blocks, N, K, out, *, norm=None, bias=None, res=None, mode=0, qkv=None, argmax=None) -> None:
+        s = self.s
+        BN, BK, warps = (*blocks, self.GEMV_WARPS)[:3]
+        BK = BK or min(_pow2(K), self.MAX_BLOCK_K)
+        kc, vc, pos = qkv if qkv is not None else (out, out, out)
+        pval, pidx = argmax if argmax is not None else (out, out)
+        nb = pval.shape[-1] if argmax is not None else 1
+        stride = kc.stride() if qkv is not None else (0, 0, 0)
+        _rms_gemv_kernel[(triton.cdiv(N, BN), x.shape[0])](
+            x, norm if norm is not None else x, w, bias if bias is not None else x, res if res is not None else x, out,
+            kc, vc, pos, self.cos, self.sin, stride[0], stride[1], stride[2],
+            pval, pidx, nb,
+            N, s.eps,
+            K=K, K_POW2=_pow2(K), D=s.head_dim, QD=s.num_heads * s.head_dim, KVD=s.num_kv_heads * s.head_dim,
+            HAS_NORM=norm is not None, HAS_BIAS=bias is not None, HAS_RES=res is not None, MODE=mode,
+            BLOCK_N=BN, BLOCK_K=BK, num_warps=warps, USE_PDL=self.pdl, launch_pdl=self.pdl,
+        )
+
+    def __call__(self, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        s, p = self.s, self.p
+        B, E, H, KVH, D, I, V = tokens.shape[0], s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, s.vocab_size
+        dev = tokens.device
+        x = torch.empty(B, E, device=dev, dtype=torch.float32)
+        q = torch.empty(B, H * D, device=dev, dtype=torch.float32)
+        o = torch.empty(B, H * D, device=dev, dtype=torch.float32)
+        hid = torch.empty(B, I, device=dev, dtype=torch.float32)
+        nb = triton.cdiv(V, self.HEAD[0])
+        pval = torch.empty(B, nb, device=dev, dtype=torch.float32)
+        pidx = torch.empty(B, nb, device=dev, dtype=torch.int64)
+        nxt = torch.empty(B, device=dev, dtype=torch.int64)
+        _llama_embed_kernel[(B,)](tokens, p["embed"], x, E=E, E_POW2=_pow2(E), USE_PDL=self.pdl, launch_pdl=self.pdl)
+        n_keys = key_range.shape[0]
+        pairs = (H + 2 * KVH) * D // 2
+        for layer in range(s.num_layers):
+            kc, vc = k_cache[layer], v_cache[layer]
+            b_qkv = p["b_qkv"][layer] if p["b_qkv"] is not None else None
+            self._gemv(x, p["w_qkv"][layer], self.QKV, pairs, E, q, norm=p["ln1_w"][layer], bias=b_qkv, mode=1, qkv=(kc, vc, positions))
+            st = kc.stride()
+            _decode_attn_kernel[(B, H)](
+                q, kc, vc, positions, o, self.scale, st[0], st[1], st[2],
+                n_keys=n_keys, H=H, D=D, GROUP=s.group, BLOCK_T=min(self.ATTN_BLOCK_T, _pow2(n_keys)), num_warps=self.ATTN_WARPS,
+                USE_PDL=self.pdl, EARLY_KV=self.ATTN_EARLY_KV, launch_pdl=self.pdl,
+            )
+            b_o = p["b_o"][layer] if p["b_o"] is not None else None
+            self._gemv(o, p["w_o"][layer], self.OPROJ, E, H * D, x, bias=b_o, res=x)
+            self._gemv(x, p["w_gate_up"][layer], self.GATE_UP, I, E, hid, norm=p["ln2_w"][layer], mode=3)
+            self._gemv(hid, p["w_down"][layer], self.DOWN, E, I, x, res=x)
+        self._gemv(x, self.head, self.HEAD, V, E, x, norm=p["lnf_w"], mode=2, argmax=(pval, pidx))
+        _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb), USE_PDL=self.pdl, launch_pdl=self.pdl)
+        return nxt
+
+
+def triton_decode_step(params: Mapping[str, Tensor], shape: StaticShape, max_context: int) -> TritonDecodeStep | TritonLlamaDecodeStep:
+    """The one-row Triton step of the model's family."""
+    if isinstance(shape, LlamaShape):
+        return TritonLlamaDecodeStep(params, shape, max_context)
+    return TritonDecodeStep(params, shape, max_context)
