@@ -166,11 +166,12 @@ def toy_model_gates(gates):
 
 
 def versions_of(params, family: str) -> dict[str, dict[str, str]]:
-    """The family's registered versions by precision: their tags."""
+    """The family's registered versions by precision: their tags, version and page."""
     from mlflow import MlflowClient
 
     client = MlflowClient(params.registry.tracking_uri, registry_uri=params.registry.tracking_uri)
-    return {v.tags["precision"]: v.tags | {"version": v.version} for v in client.search_model_versions(f"name='kiln-{family}'")}
+    found = client.search_model_versions(f"name='kiln-{family}'")
+    return {v.tags["precision"]: v.tags | {"version": v.version, "page": v.description} for v in found}
 
 
 @pytest.mark.slow
@@ -184,6 +185,7 @@ def test_kiln_build_gates_and_registers_int8_and_fp16_engines_of_each_family(fam
         assert tags["gates.passed"] == "true", (precision, tags)
         assert tags["model_family"] == family and tags["kv_heads"] == "2"
         assert int(tags["parameter_count"]) > 0
+        assert f"Model: **{family}** · " in tags["page"] and "4 heads, 2 KV heads" in tags["page"]
         assert float(tags["gates.quality.top1_agreement"]) >= built.params.gates.quality.limits[precision].min_top1_agreement
 
 
