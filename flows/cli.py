@@ -103,6 +103,8 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
     params = _load(params_file)
     if from_model:
         model_dir = _model_to_build(model_dir, params)
+    elif params.model.pretrained and Path(params.model.pretrained).is_dir():
+        _check_model(Path(params.model.pretrained).resolve(), params)  # before the data stage and training
     preflight(registry_target(params.registry, root))  # before Prefect's server starts (seconds)
     if fresh:
         import shutil
@@ -126,11 +128,15 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
 def _model_to_build(model_dir: Path | None, params) -> Path:
     """The model directory `kiln build` starts from, checked against params.yaml before any
     work: a profile longer than its context is an error in seconds, not after the data stage."""
-    from components.model_dir import check_fits_model_directory, check_model_directory
-
     if model_dir is None and not params.model.pretrained:
         raise KilnError("kiln build needs a model: pass --model DIR or set model.pretrained in params.yaml")
-    model_dir = (model_dir or Path(params.model.pretrained)).resolve()
+    return _check_model((model_dir or Path(params.model.pretrained)).resolve(), params)
+
+
+def _check_model(model_dir: Path, params) -> Path:
+    """A model directory of a family kiln builds, fitting params.yaml's profiles (seconds)."""
+    from components.model_dir import check_fits_model_directory, check_model_directory
+
     check_model_directory(model_dir)
     check_fits_model_directory(model_dir, params.build.profiles, params.sample)
     return model_dir

@@ -69,6 +69,16 @@ def test_a_family_kiln_does_not_build_is_refused_in_one_line_naming_the_families
     assert not (tmp_path / ".kiln" / "stages").exists()
 
 
+def test_kiln_run_refuses_a_pretrained_model_of_another_family_before_the_data_stage(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fake_model_dir(tmp_path / "phi", {"model_type": "phi3"})
+    (tmp_path / "params.yaml").write_text("model:\n  pretrained: phi\n")
+    result = CliRunner().invoke(app, ["run"])
+    assert result.exit_code == 2
+    assert "model_type 'phi3' is not a family kiln builds" in result.output
+    assert not (tmp_path / "data").exists() and not (tmp_path / ".kiln" / "stages").exists()
+
+
 def test_a_sliding_window_shorter_than_the_context_is_refused_naming_both_numbers(tmp_path, params, tiny_model):
     from components.model_dir import check_fits_model_directory
 
