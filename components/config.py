@@ -180,6 +180,10 @@ class KeepFloatParams(_Section):
     op_types: list[str] = ["LayerNormalization", "Softmax"]
     name_patterns: list[str] = []  # regular expressions matched against node names
     attention_scores: bool = True  # the activation × activation MatMuls (Q·Kᵀ, attn·V)
+    # A SwiGLU MLP's down projection (Llama, Qwen2, Mistral): its input, silu(gate)·up, has
+    # outliers that one int8 scale per tensor clips (the default-size Llama's top-1
+    # agreement 0.957 with it quantized, 0.971 float; perplexity +0.32 % vs -0.01 %).
+    swiglu_down: bool = True
 
 
 class Int8Params(_Section):

@@ -117,6 +117,33 @@ def model_written_windows(engine_dir, reference, data_version, params, count: in
     return np.concatenate([prompts[has_words], written[has_words]], axis=1)
 
 
+def test_the_models_continuations_are_its_argmax_at_every_step_end_of_text_included(engine, reference, params):
+    """As the engine generates them: a model whose argmax is end-of-text writes end-of-text.
+    Forbidding it (`generate`'s min_new_tokens) made the reference write something else,
+    and an engine identical to its model lose BLEU on every such row."""
+    import torch
+
+    from components.gates import _reference_continuations
+    from components.runtime.sampling import Sampling
+
+    eos = engine.manifest.eos_token_id
+
+    class EndsAtOnce(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = reference
+
+        def forward(self, **kwargs):
+            out = self.model(**kwargs)
+            out.logits[..., eos] += 1e4
+            return out
+
+    prompts = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+    assert _reference_continuations(EndsAtOnce(), prompts, 3) == [[eos] * 3, [eos] * 3]
+    plain = _reference_continuations(reference, prompts, 6)
+    assert plain == engine.generate(prompts.tolist(), Sampling(max_new_tokens=6, stop_at_eos=False))  # fp32: the same tokens
+
+
 def test_the_text_gate_scores_the_engines_continuations_like_the_models_when_they_agree(engine, engine_dir, reference, data_version, params):
     windows = model_written_windows(engine_dir, reference, data_version, params)
     result = text_gate(engine, reference, EngineTokenizer(engine_dir.path), windows, params.gates.text)
