@@ -227,8 +227,14 @@ def test_a_runner_stops_a_sequence_at_the_first_of_several_stop_tokens(hf: GPT2L
     assert runner.generate(PROMPTS, 10, stop_token=stops) == [r if e is None else r[: e + 1] for r, e in zip(ref, ends)]
 
 
+# The fused step (3 kernels a layer: default tiles, then several CTAs per head's O-proj
+# slice and per MLP block), and the five-kernel step it replaces.
+LLAMA_STEP_VARIANTS = {"fused": {}, "fused-small-tiles": {"ATTN_O_BLOCK_N": 16, "MLP_TILE": 1024}, "five-kernel": {"FUSED": False}}
+
+
+@pytest.mark.parametrize("variant", list(LLAMA_STEP_VARIANTS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_triton_llama_step_matches_decode_step(family: str) -> None:
+def test_triton_llama_step_matches_decode_step(family: str, variant: str) -> None:
     td = _triton_interpreter()
     from components.runtime.static_kv import DecodeStep, StaticKVLlama
 
@@ -236,6 +242,8 @@ def test_triton_llama_step_matches_decode_step(family: str) -> None:
     model = StaticKVLlama.from_hf(_llama(family, tie_word_embeddings=family == "llama", rope_scaling=llama3 if family == "llama" else None))
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     ref, fast = DecodeStep(model, 64), td.triton_decode_step(params, model.shape, 64)
+    for k, v in LLAMA_STEP_VARIANTS[variant].items():
+        setattr(fast, k, v)
     kc1, vc1 = model.new_cache(4, 64)
     kc1.normal_()
     vc1.normal_()

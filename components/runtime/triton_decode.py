@@ -444,12 +444,184 @@ def _rms_gemv_kernel(
         tl.store(pidx_ptr + b * NB + pid_n, (pid_n * BLOCK_N + tl.argmax(vals, axis=0)).to(tl.int64))
 
 
+# The fused Llama step: three kernels per layer instead of five, since at batch 1 a step is
+# a chain of launches, each costing ~2.3 us on the H200 whatever it computes (run 9: 153
+# kernels, 46.4 ms for 32 + 128 tokens). The attention of a query head is followed by its
+# slice of the O-projection, and the gate/up rows of an intermediate block by their slice
+# of the down projection; each CTA adds its share of the output (and one CTA the residual)
+# into a zeroed fp32 buffer with atomics. The residual stream thus rotates over three
+# buffers per row, (A, B, C) for layer l and (C, A, B) for layer l + 1:
+#   [RMSNorm1 + QKV + rotary + cache write]  reads A, clears B
+#   [attention + O-proj + residual]           reads A, adds into B, clears C
+#   [RMSNorm2 + gate/up + SiLU + down + res.] reads B, adds into C
+# A buffer is cleared by a kernel that runs after its last reader has finished and before
+# its first writer starts (under programmatic dependent launch, writes come after the wait).
+# The sums are the unfused step's, in another order (fp32, as there).
+
+
+@triton.jit
+def _fused_qkv_kernel(
+    x_ptr, tok_ptr, emb_ptr, zero_ptr, nw_ptr, w_ptr, bias_ptr, q_ptr,
+    kc_ptr, vc_ptr, pos_ptr, cos_ptr, sin_ptr, stride_s, stride_h, stride_t,
+    N, eps,
+    K: tl.constexpr, K_POW2: tl.constexpr, D: tl.constexpr, QD: tl.constexpr, KVD: tl.constexpr,
+    EMBED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """_rms_gemv_kernel's MODE 1 over whole rows (K_POW2 at most MAX_BLOCK_K), which also
+    clears zero_ptr's row. EMBED (layer 0): x is the token's embedding row, which the CTA of
+    item block 0 also writes to x_ptr, the residual the attention kernel adds."""
+    HALF: tl.constexpr = D // 2
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    r1 = (offs_n // HALF) * D + offs_n % HALF
+    r2 = r1 + HALF
+    offs_k = tl.arange(0, K_POW2)
+    mask_k = offs_k < K
+    wmask = mask_n[:, None] & mask_k[None, :]
+    w1 = tl.load(w_ptr + r1[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)
+    w2 = tl.load(w_ptr + r2[:, None] * K + offs_k[None, :], mask=wmask, other=0.0)
+    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    _after_previous_kernel(USE_PDL)
+    if EMBED:
+        tok = tl.load(tok_ptr + b)
+        xk = tl.load(emb_ptr + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        tl.store(x_ptr + b * K + offs_k, xk, mask=mask_k & (pid_n == 0))
+    else:
+        xk = tl.load(x_ptr + b * K + offs_k, mask=mask_k, other=0.0)
+    tl.store(zero_ptr + b * K + offs_k, tl.zeros([K_POW2], dtype=tl.float32), mask=mask_k & (pid_n == 0))
+    rstd = 1.0 / tl.sqrt(tl.sum(xk * xk, axis=0) / K + eps)
+    xk = xk * rstd * nw
+    acc1 = tl.sum(w1.to(tl.float32) * xk[None, :], axis=1)
+    acc2 = tl.sum(w2.to(tl.float32) * xk[None, :], axis=1)
+    if HAS_BIAS:
+        acc1 += tl.load(bias_ptr + r1, mask=mask_n, other=0.0).to(tl.float32)
+        acc2 += tl.load(bias_ptr + r2, mask=mask_n, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + b)
+    i = offs_n % HALF
+    c = tl.load(cos_ptr + pos * HALF + i, mask=mask_n, other=0.0)
+    s = tl.load(sin_ptr + pos * HALF + i, mask=mask_n, other=0.0)
+    rotated = r1 < QD + KVD  # q and k heads; v is not rotated
+    o1 = tl.where(rotated, acc1 * c - acc2 * s, acc1)
+    o2 = tl.where(rotated, acc2 * c + acc1 * s, acc2)
+    tl.store(q_ptr + b * QD + r1, o1, mask=mask_n & (r1 < QD))
+    tl.store(q_ptr + b * QD + r2, o2, mask=mask_n & (r2 < QD))
+    row = b * stride_s + pos * stride_t
+    is_k = mask_n & (r1 >= QD) & (r1 < QD + KVD)
+    is_v = mask_n & (r1 >= QD + KVD)
+    k1, k2 = r1 - QD, r2 - QD
+    v1, v2 = r1 - QD - KVD, r2 - QD - KVD
+    dt = kc_ptr.dtype.element_ty
+    tl.store(kc_ptr + row + (k1 // D) * stride_h + k1 % D, o1.to(dt), mask=is_k)
+    tl.store(kc_ptr + row + (k2 // D) * stride_h + k2 % D, o2.to(dt), mask=is_k)
+    tl.store(vc_ptr + row + (v1 // D) * stride_h + v1 % D, o1.to(dt), mask=is_v)
+    tl.store(vc_ptr + row + (v2 // D) * stride_h + v2 % D, o2.to(dt), mask=is_v)
+
+
+@triton.jit
+def _attn_oproj_kernel(
+    q_ptr, kc_ptr, vc_ptr, pos_ptr, wo_ptr, bo_ptr, x_ptr, out_ptr, zero_ptr, scale, stride_s, stride_h, stride_t,
+    n_keys: tl.constexpr, H: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Grid (cdiv(E, BLOCK_N), H, B): query head h's attention (as _decode_attn_kernel with
+    EARLY_KV, recomputed by each of the head's CTAs: its keys are L2-resident), then
+    out[b, n] += w_o[n, h*D:(h+1)*D] . o_h for the CTA's BLOCK_N outputs n; head 0's CTAs add
+    the residual x (and the bias). CTA (0, 0) clears zero_ptr's row."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < E
+    wo = tl.load(wo_ptr + offs_n[:, None] * (H * D) + h * D + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    base = b * stride_s + (h // GROUP) * stride_h
+    kv_off = base + offs_t[:, None] * stride_t + offs_d[None, :]
+    pos = tl.load(pos_ptr + b)
+    early = (offs_t < pos) & (offs_t < n_keys)
+    k = tl.load(kc_ptr + kv_off, mask=early[:, None], other=0.0).to(tl.float32)
+    v = tl.load(vc_ptr + kv_off, mask=early[:, None], other=0.0).to(tl.float32)
+    _after_previous_kernel(USE_PDL)
+    at_pos = (offs_t == pos)[:, None]
+    k = tl.where(at_pos, tl.load(kc_ptr + base + pos * stride_t + offs_d).to(tl.float32)[None, :], k)
+    v = tl.where(at_pos, tl.load(vc_ptr + base + pos * stride_t + offs_d).to(tl.float32)[None, :], v)
+    q = tl.load(q_ptr + b * H * D + h * D + offs_d) * scale
+    mt = (offs_t <= pos) & (offs_t < n_keys)
+    s = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+    m_i = tl.max(s, axis=0)
+    p = tl.exp(s - m_i)
+    l_i = tl.sum(p, axis=0)
+    acc = tl.sum(p[:, None] * v, axis=0)
+    for t0 in range(BLOCK_T, n_keys, BLOCK_T):
+        t = t0 + offs_t
+        mt = (t <= pos) & (t < n_keys)
+        kv_off = base + t[:, None] * stride_t + offs_d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+        s = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        v = tl.load(vc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    o = acc / l_i
+    part = tl.sum(wo.to(tl.float32) * o[None, :], axis=1)
+    first = h == 0
+    part += tl.load(x_ptr + b * E + offs_n, mask=mask_n & first, other=0.0)
+    if HAS_BIAS:
+        part += tl.load(bo_ptr + offs_n, mask=mask_n & first, other=0.0).to(tl.float32)
+    tl.atomic_add(out_ptr + b * E + offs_n, part, mask=mask_n, sem="relaxed")
+    offs_e = tl.arange(0, E_POW2)
+    tl.store(zero_ptr + b * E + offs_e, tl.zeros([E_POW2], dtype=tl.float32), mask=(offs_e < E) & first & (pid_n == 0))
+
+
+@triton.jit
+def _mlp_kernel(
+    x_ptr, nw_ptr, wgu_ptr, wd_ptr, out_ptr, I, eps,
+    K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_J: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Grid (cdiv(I, BLOCK_J), B): h_j = silu(gate_j . n) * (up_j . n) for the CTA's BLOCK_J
+    intermediate units j (n: x after RMSNorm2), then out[b, :] += w_down[:, j-block] @ h; the
+    CTA of block 0 adds the residual x. w_gate_up (2I, K) rows, w_down (K, I) rows: the
+    down tile is BLOCK_J contiguous columns of each row (BLOCK_J * 2 bytes: a 32-byte sector
+    at 16 fp16 columns)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_j = pid * BLOCK_J + tl.arange(0, BLOCK_J)
+    mask_j = offs_j < I
+    offs_k = tl.arange(0, K_POW2)
+    mask_k = offs_k < K
+    gmask = mask_j[:, None] & mask_k[None, :]
+    rows = offs_j[:, None] * K + offs_k[None, :]
+    wg = tl.load(wgu_ptr + rows, mask=gmask, other=0.0)
+    wu = tl.load(wgu_ptr + I * K + rows, mask=gmask, other=0.0)
+    wd = tl.load(wd_ptr + offs_k[:, None] * I + offs_j[None, :], mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    _after_previous_kernel(USE_PDL)
+    x = tl.load(x_ptr + b * K + offs_k, mask=mask_k, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    xn = x * rstd * nw
+    g = tl.sum(wg.to(tl.float32) * xn[None, :], axis=1)
+    u = tl.sum(wu.to(tl.float32) * xn[None, :], axis=1)
+    hid = g * tl.sigmoid(g) * u
+    part = tl.sum(wd.to(tl.float32) * hid[None, :], axis=1)
+    part += tl.where(pid == 0, x, 0.0)
+    tl.atomic_add(out_ptr + b * K + offs_k, part, mask=mask_k, sem="relaxed")
+
+
 class TritonLlamaDecodeStep:
     """Drop-in for DecodeStep(StaticKVLlama): (tokens, positions, active, key_range, k_cache,
     v_cache) -> next. Built from StaticKVLlama-named parameters and its `inv_freq` buffer (a
     StaticKVLlama's or a loaded program's); its weights are already (out, in) rows, so they
     are used as they are. Rotary cos/sin come from a table over the cache's positions
     (scratch included), made once from those frequencies as the model makes them.
+
+    FUSED (the default where the hidden size fits one tile, MAX_BLOCK_K): three kernels per
+    layer (see _fused_qkv_kernel above) instead of five; the five-kernel step stays for
+    wider models and as the reference the fused one is measured against.
     """
 
     # (BLOCK_N, BLOCK_K, warps); BLOCK_N counts items: rotary pairs (QKV) and gate/up pairs
@@ -459,6 +631,13 @@ class TritonLlamaDecodeStep:
     MAX_BLOCK_K = 4096
     ATTN_BLOCK_T, ATTN_WARPS = 256, 4
     ATTN_EARLY_KV = True
+    FUSED = True
+    # The fused step's tiles: output rows per attention + O-proj CTA and its warps; the
+    # intermediate units per MLP CTA (as elements of a tile of K_POW2 columns) and its warps.
+    # The fastest measured on the H200 (benchmarks/gpu_static_kv/results/run10): fewer MLP
+    # CTAs mean fewer atomic adds into the residual.
+    ATTN_O_BLOCK_N, ATTN_O_WARPS = 64, 4
+    MLP_TILE, MLP_WARPS = 16384, 8
 
     def __init__(self, params: Mapping[str, Tensor], shape: LlamaShape, max_context: int, pdl: bool | None = None) -> None:
         self.s = shape
@@ -493,6 +672,8 @@ class TritonLlamaDecodeStep:
         )
 
     def __call__(self, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        if self.FUSED and _pow2(self.s.hidden_size) <= self.MAX_BLOCK_K:
+            return self._fused(tokens, positions, active, key_range, k_cache, v_cache)
         s, p = self.s, self.p
         B, E, H, KVH, D, I, V = tokens.shape[0], s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, s.vocab_size
         dev = tokens.device
@@ -521,6 +702,50 @@ class TritonLlamaDecodeStep:
             self._gemv(o, p["w_o"][layer], self.OPROJ, E, H * D, x, bias=b_o, res=x)
             self._gemv(x, p["w_gate_up"][layer], self.GATE_UP, I, E, hid, norm=p["ln2_w"][layer], mode=3)
             self._gemv(hid, p["w_down"][layer], self.DOWN, E, I, x, res=x)
+        self._gemv(x, self.head, self.HEAD, V, E, x, norm=p["lnf_w"], mode=2, argmax=(pval, pidx))
+        _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb), USE_PDL=self.pdl, launch_pdl=self.pdl)
+        return nxt
+
+    def _fused(self, tokens: Tensor, positions: Tensor, active: Tensor, key_range: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """The same step in 3 kernels per layer + lm_head + finish (92 launches for 30 layers)."""
+        s, p = self.s, self.p
+        B, E, H, KVH, D, I, V = tokens.shape[0], s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, s.vocab_size
+        dev = tokens.device
+        E_POW2 = _pow2(E)
+        xs = torch.empty(3, B, E, device=dev, dtype=torch.float32)  # the residual stream's three buffers
+        q = torch.empty(B, H * D, device=dev, dtype=torch.float32)
+        nb = triton.cdiv(V, self.HEAD[0])
+        pval = torch.empty(B, nb, device=dev, dtype=torch.float32)
+        pidx = torch.empty(B, nb, device=dev, dtype=torch.int64)
+        nxt = torch.empty(B, device=dev, dtype=torch.int64)
+        n_keys = key_range.shape[0]
+        pairs = (H + 2 * KVH) * D // 2
+        qkv_n, _, qkv_warps = (*self.QKV, self.GEMV_WARPS)[:3]
+        block_j = max(1, min(self.MLP_TILE // E_POW2, _pow2(I)))
+        pdl = {"USE_PDL": self.pdl, "launch_pdl": self.pdl}
+        for layer in range(s.num_layers):
+            kc, vc = k_cache[layer], v_cache[layer]
+            st = kc.stride()
+            xa, xb, xc = xs[-layer % 3], xs[(1 - layer) % 3], xs[(2 - layer) % 3]
+            b_qkv = p["b_qkv"][layer] if p["b_qkv"] is not None else xa
+            _fused_qkv_kernel[(triton.cdiv(pairs, qkv_n), B)](
+                xa, tokens, p["embed"], xb, p["ln1_w"][layer], p["w_qkv"][layer], b_qkv, q,
+                kc, vc, positions, self.cos, self.sin, st[0], st[1], st[2],
+                pairs, s.eps,
+                K=E, K_POW2=E_POW2, D=D, QD=H * D, KVD=KVH * D,
+                EMBED=layer == 0, HAS_BIAS=p["b_qkv"] is not None, BLOCK_N=qkv_n, num_warps=qkv_warps, **pdl,
+            )
+            b_o = p["b_o"][layer] if p["b_o"] is not None else xa
+            _attn_oproj_kernel[(triton.cdiv(E, self.ATTN_O_BLOCK_N), H, B)](
+                q, kc, vc, positions, p["w_o"][layer], b_o, xa, xb, xc, self.scale, st[0], st[1], st[2],
+                n_keys=n_keys, H=H, D=D, GROUP=s.group, E=E, E_POW2=E_POW2, HAS_BIAS=p["b_o"] is not None,
+                BLOCK_T=min(self.ATTN_BLOCK_T, _pow2(n_keys)), BLOCK_N=self.ATTN_O_BLOCK_N, num_warps=self.ATTN_O_WARPS, **pdl,
+            )
+            _mlp_kernel[(triton.cdiv(I, block_j), B)](
+                xb, p["ln2_w"][layer], p["w_gate_up"][layer], p["w_down"][layer], xc, I, s.eps,
+                K=E, K_POW2=E_POW2, BLOCK_J=block_j, num_warps=self.MLP_WARPS, **pdl,
+            )
+        x = xs[(2 - (s.num_layers - 1)) % 3]
         self._gemv(x, self.head, self.HEAD, V, E, x, norm=p["lnf_w"], mode=2, argmax=(pval, pidx))
         _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb), USE_PDL=self.pdl, launch_pdl=self.pdl)
         return nxt

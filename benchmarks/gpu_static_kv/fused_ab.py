@@ -1,0 +1,105 @@
+"""The fused Llama Triton step (3 kernels a layer) against the five-kernel one, and the fused
+step's tiles, on the SmolLM2-135M-shaped fp16 engine of `kiln bench --device cuda --shape
+smollm2-135m`: 32 + 128 tokens at batch 1 through engine.generate (what the bench times).
+
+One engine; each variant sets its attributes on the engine's Triton step and keeps its own
+CUDA graphs (captured with its kernels), so variants are timed interleaved. Writes
+fused_ab.json and best_tiles.json (the fastest fused variant's attributes).
+
+    python3 -m benchmarks.gpu_static_kv.fused_ab --out DIR [--runs 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.generation import SMOLLM2_135M, BenchSetup, benchmark_model_dir, random_prompts
+from benchmarks.generation_cuda import torch_cuda_engine
+from components.runtime import load_engine
+from components.runtime.sampling import Sampling
+
+VARIANTS = {
+    "five-kernel": {"FUSED": False},
+    "fused": {},
+    "fused-attn-o-32": {"ATTN_O_BLOCK_N": 32},
+    "fused-mlp-4096": {"MLP_TILE": 4096},
+    "fused-mlp-8192-w8": {"MLP_WARPS": 8},
+    "fused-mlp-16384-w8": {"MLP_TILE": 16384, "MLP_WARPS": 8},
+}
+KEYS = ("FUSED", "ATTN_O_BLOCK_N", "ATTN_O_WARPS", "MLP_TILE", "MLP_WARPS")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-bench"))
+    args = parser.parse_args()
+    setup = BenchSetup()
+    shape = "smollm2-135m"
+    model_dir = benchmark_model_dir(args.work / shape / "model", SMOLLM2_135M, setup.seed)
+    engine_path = torch_cuda_engine(model_dir, args.work / shape / "engines", 16, setup)
+    prompts = random_prompts(16, setup.prompt_tokens, SMOLLM2_135M["vocab_size"], setup.seed)
+    sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
+    engine = load_engine(engine_path)
+    runner, step = engine.runner, engine.runner.fast_step
+    defaults = {k: getattr(type(step), k) for k in KEYS}
+    graphs: dict[str, dict] = {}
+
+    def use(name: str) -> None:
+        for k in KEYS:
+            setattr(step, k, VARIANTS[name].get(k, defaults[k]))
+        runner._graphs = graphs.setdefault(name, {})
+
+    tokens = {}
+    for name in VARIANTS:
+        use(name)
+        started = time.perf_counter()
+        for _ in range(3):  # compile, capture, settle
+            tokens[name] = engine.generate(prompts[:1], sampling)
+        print(f"{name}: ready in {time.perf_counter() - started:.1f} s", flush=True)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(args.runs):
+        for name in VARIANTS:
+            use(name)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            out = engine.generate(prompts[:1], sampling)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - started) * 1000)
+            if out != tokens[name]:
+                print(f"{name}: greedy tokens changed between runs (first at {next(i for i, (a, b) in enumerate(zip(out[0], tokens[name][0])) if a != b)})")
+    reference = tokens["five-kernel"][0]
+    median = {name: statistics.median(t) for name, t in times.items()}
+    best = min((n for n in VARIANTS if n != "five-kernel"), key=median.get)
+    result = {
+        "runs": args.runs,
+        "variants": VARIANTS,
+        "defaults": defaults,
+        "median_ms": median,
+        "min_ms": {name: min(t) for name, t in times.items()},
+        "ms_per_token": {name: m / setup.new_tokens for name, m in median.items()},
+        "first_divergence_from_five_kernel": {
+            name: next((i for i, (a, b) in enumerate(zip(out[0], reference)) if a != b), None) for name, out in tokens.items()
+        },
+        "best_fused": best,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+    for name in VARIANTS:
+        print(f"{name:22s} median {median[name]:7.2f} ms  min {result['min_ms'][name]:7.2f} ms  {median[name] / setup.new_tokens:.4f} ms/token  "
+              f"first divergence {result['first_divergence_from_five_kernel'][name]}")
+    print(json.dumps(result, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fused_ab.json").write_text(json.dumps(result, indent=2))
+    (args.out / "best_tiles.json").write_text(json.dumps({k: v for k, v in VARIANTS[best].items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+#!/bin/bash
+# Run 10 (the fused Llama Triton step), on the device machine from the repo root, with .whl
+# carried: bash benchmarks/gpu_static_kv/run10.sh [ab] [bench] [tests]
+#   ab:    fused_ab.py: the fused step (3 kernels a layer) vs the five-kernel one, and tiles,
+#          on the smollm2-135m bench engine; writes best_tiles.json
+#   bench: kiln bench --device cuda --shape smollm2-135m, with best_tiles.json's attributes
+#          set on TritonLlamaDecodeStep (none: the defaults)
+#   tests: as run9.sh's tests step (GPU tests of test_torch_cuda.py, test_static_kv_prototype.py)
+set -o pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm --format=csv
+  python3 -c "import torch, transformers, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+  nproc
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+for step in "$@"; do
+  case "$step" in
+    ab)
+      timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.gpu_static_kv.fused_ab --out "$OUT" --runs "${AB_RUNS:-15}" 2>&1 | grep -v "^DEBUG" | tee "$OUT/fused_ab.log" ;;
+    bench)
+      [ -f "$OUT/best_tiles.json" ] || echo '{}' > "$OUT/best_tiles.json"
+      timeout "${BENCH_TIMEOUT:-300}" python3 -c '
+import json, sys
+from components.runtime import triton_decode as td
+tiles = json.load(open(sys.argv[1]))
+print("TritonLlamaDecodeStep tiles:", tiles or "defaults", flush=True)
+for k, v in tiles.items():
+    setattr(td.TritonLlamaDecodeStep, k, tuple(v) if isinstance(v, list) else v)
+sys.argv = sys.argv[:1] + sys.argv[2:]
+from flows.cli import main
+main()' "$OUT/best_tiles.json" bench --device cuda --shape smollm2-135m --runs "${RUNS:-5}" \
+        --work /tmp/kiln-bench --json "$OUT/kiln_bench_smollm2.json" 2>&1 | tee "$OUT/kiln_bench_smollm2.log" ;;
+    tests)
+      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rs --durations=12 tests/test_torch_cuda.py tests/test_static_kv_prototype.py \
+        -k "on_the_gpu or rotary or rope or familys or stop_ids or sliding or test_static_kv_prototype" 2>&1 | grep -v "^DEBUG" | tee "$OUT/test.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
