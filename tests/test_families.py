@@ -234,6 +234,21 @@ def test_every_eos_id_in_generation_config_ends_generation(families, engines):
         prompt = EngineTokenizer(engine_dir.path).encode_prompt(PROMPT)
         stopped = EosAfter(engine, after=3, token=second).generate([prompt], Sampling(max_new_tokens=20))[0]
         assert len(stopped) == 3 and second not in stopped
+        assert served_tokens(EosAfter(engine, after=3, token=second), EngineTokenizer(engine_dir.path), prompt) == (stopped, "stop")
+
+
+def served_tokens(engine, tokenizer, prompt: list[int]) -> tuple[list[int], str]:
+    """What kiln serve's scheduler generates for one prompt, and why it finished."""
+    import threading
+
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    scheduler, done, finished = Scheduler(engine, tokenizer, max_waiting=2), threading.Event(), []
+    sequence = Sequence(prompt, Sampling(max_new_tokens=20), lambda event: isinstance(event, Finished) and (finished.append(event), done.set()))
+    scheduler.submit([sequence])
+    assert done.wait(30)
+    assert scheduler.close(timeout=5)
+    return sequence.generated, finished[0].reason
 
 
 @pytest.mark.slow
