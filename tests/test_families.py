@@ -163,13 +163,15 @@ def families(tmp_path_factory, llama_tokenizer, tiny_model):
 
 
 def toy_model_gates(gates):
-    """The gates as params.yaml sets them, but for two limits these toy models cannot hold
-    steadily. int8's top-1: they have seen 80 k tokens, their next-token margins are thin,
-    and int8 flips 2-4 % of them (on 1008 tokens: Llama 0.981, Qwen2 0.966, a GPT-2 of the
-    same size 0.981); the perplexity limit, which measures a quantization gone wrong, stays
-    params.yaml's. The text gate's: their greedy continuations score ROUGE-L near 0 against
-    the held-out text, so one flipped token moves the drop by tens of percent."""
-    limits = gates.quality.limits | {"int8": gates.quality.limits["int8"].model_copy(update={"min_top1_agreement": 0.93})}
+    """The gates as params.yaml sets them, but for two limits these toy models hold only
+    by a few tokens or not at all. int8's top-1: they have seen 150 k tokens, their
+    next-token margins are thin; on 1008 tokens (more than params.yaml's 2016 would cost
+    here) they measure 0.976-0.978 where the limit is 0.97, a few tokens that another CPU's
+    int8 kernels may flip: 0.96 here, and the perplexity limit, which measures a
+    quantization gone wrong, stays params.yaml's. The text gate's: their greedy
+    continuations score ROUGE-L near 0 against the held-out text, so one flipped token
+    moves the drop by tens of percent (Mistral's fp16, top-1 0.998: ROUGE-L 44 % "down")."""
+    limits = gates.quality.limits | {"int8": gates.quality.limits["int8"].model_copy(update={"min_top1_agreement": 0.96})}
     quality = gates.quality.model_copy(update={"sequences": 16, "sequence_length": 64, "limits": limits})
     text_limits = {p: limit.model_copy(update={"max_rouge_l_drop_pct": 100.0, "max_bleu_drop_pct": 100.0}) for p, limit in gates.text.limits.items()}
     return gates.model_copy(update={"quality": quality, "text": gates.text.model_copy(update={"limits": text_limits})})
