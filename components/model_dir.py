@@ -147,7 +147,7 @@ def eos_token_ids(path: Path) -> list[int]:
         found += value if isinstance(value, list) else [value] if isinstance(value, int) else []
     token = _read_json(path / "tokenizer_config.json").get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
-    if isinstance(token, str) and (tokenizer := Path(path / "tokenizer.json")).is_file():
+    if isinstance(token, str) and (tokenizer := path / "tokenizer.json").is_file():
         token_id = Tokenizer.from_file(str(tokenizer)).token_to_id(token)
         found += [token_id] if token_id is not None else []
     return list(dict.fromkeys(found))
