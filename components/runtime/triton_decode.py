@@ -445,8 +445,8 @@ def _rms_gemv_kernel(
 
 
 # The fused Llama step: three kernels per layer instead of five, since at batch 1 a step is
-# a chain of launches, each costing ~2.3 us on the H200 whatever it computes (run 9: 153
-# kernels, 46.4 ms for 32 + 128 tokens). The attention of a query head is followed by its
+# a chain of launches, each costing microseconds whatever it computes (the measurements:
+# benchmarks/gpu_static_kv/results/run9 and run10). The attention of a query head is followed by its
 # slice of the O-projection, and the gate/up rows of an intermediate block by their slice
 # of the down projection; each CTA adds its share of the output (and one CTA the residual)
 # into a zeroed fp32 buffer with atomics. The residual stream thus rotates over three
