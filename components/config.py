@@ -363,6 +363,10 @@ class ServingParams(_Section):
     # ONNX Runtime intra-op threads; None: all cores. One is the default because the HTTP
     # side needs a core too: on 2 cores, 16 clients got 7.1k tokens/s with 1, 4.6k-5.8k with 2.
     threads: int | None = Field(1, ge=1)
+    max_n: int = Field(8, ge=1)  # choices a prompt (OpenAI's `n`); each is a sequence in the batch
+    # A jinja chat template for versions whose model has none (one that has its own renders
+    # with that, as it was built); None: /v1/chat/completions answers those with 400.
+    chat_template: str | None = None
 
 
 class TriggerParams(_Section):

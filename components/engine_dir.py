@@ -18,6 +18,9 @@ from components.files import file_sha256, text_sha256
 MANIFEST = "engine.json"
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# The chat template the server renders, as transformers names the file (in a model
+# directory it may instead live in tokenizer_config.json; an engine directory has it here).
+CHAT_TEMPLATE = "chat_template.jinja"
 # The graph input naming the positions (shared by every row) whose logits it computes: a
 # prefill needs the last one only, scoring every one (components.export).
 LOGITS_POSITIONS = "logits_positions"
@@ -88,6 +91,7 @@ class EngineManifest(_Frozen):
     num_kv_heads: int | None = None  # fewer than num_heads: grouped-query attention; None: num_heads
     eos_token_ids: list[int] = []  # every id that ends generation (Llama 3 has several); []: eos_token_id
     parameter_count: int | None = None
+    chat_template_sha256: str | None = None  # of CHAT_TEMPLATE; None: the model has no chat template
 
     @cached_property
     def kv_heads(self) -> int:
@@ -170,4 +174,19 @@ def load_engine_dir(path: Path) -> EngineDir:
         raise EngineError(
             f"engine file {engine.engine_file} is corrupt: sha256 {actual[:12]}…, engine.json says {manifest.engine_sha256[:12]}…"
         )
+    _check_chat_template(path, manifest)
     return engine
+
+
+def _check_chat_template(path: Path, manifest: EngineManifest) -> None:
+    """The chat template is what the engine was built with, or absent as it was then."""
+    template = path / CHAT_TEMPLATE
+    if manifest.chat_template_sha256 is None:
+        if template.exists():
+            raise EngineError(f"engine directory {path} holds a {CHAT_TEMPLATE} that engine.json does not record")
+        return
+    if not template.is_file():
+        raise EngineError(f"engine directory {path} lacks {CHAT_TEMPLATE} (engine.json records one)")
+    actual = file_sha256(template)
+    if actual != manifest.chat_template_sha256:
+        raise EngineError(f"{template} has sha256 {actual[:12]}…, engine.json says {manifest.chat_template_sha256[:12]}…")

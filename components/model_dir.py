@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from components.config import ProfileParams, SampleParams
+from components.engine_dir import CHAT_TEMPLATE
 from components.errors import ConfigError, TrainError
 from components.families import family_of, shape_of
 from components.files import directory_sha256
@@ -133,6 +134,19 @@ def check_fits_model_directory(path: Path, profiles: ProfileParams, sample: Samp
         raise ConfigError(
             f"sample.prompt ({prompt_tokens} tokens) plus sample.max_tokens ({sample.max_tokens}) exceeds build.profiles.context.max ({profiles.context.max})"
         )
+
+
+def chat_template_of(path: Path) -> str | None:
+    """The model's chat template where transformers finds it: `chat_template.jinja` (how
+    transformers 5 saves one), else tokenizer_config.json's `chat_template`, a template or
+    a list of named ones of which "default" is used; None when the model has none."""
+    standalone = path / CHAT_TEMPLATE
+    if standalone.is_file():
+        return standalone.read_text()
+    template = _read_json(path / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template.strip() else None
 
 
 def eos_token_ids(path: Path) -> list[int]:

@@ -25,6 +25,7 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         tags.TARGET: manifest.target,
         tags.MODEL_FAMILY: manifest.model_family,
         tags.KV_HEADS: str(manifest.kv_heads),
+        tags.CHAT_TEMPLATE_SHA256: manifest.chat_template_sha256 or "none",
         tags.DATA_MD5: manifest.lineage.data_md5,
         tags.CALIBRATION_DIGEST: manifest.lineage.calibration_digest or "none",
         tags.SOURCE_MODEL_SHA256: manifest.lineage.source_model_sha256,
@@ -95,7 +96,8 @@ def training_record(params: Params, model: TrainedModel, data_md5: str, plot: Pa
 def _model_line(manifest) -> str:
     """The model the engine runs, in the terms a person compares models by."""
     size = f"{manifest.parameter_count / 1e6:.2f} M parameters · " if manifest.parameter_count else ""
-    return f"Model: **{manifest.model_family}** · {size}{manifest.num_layers} layers · {manifest.num_heads} heads, {manifest.kv_heads} KV heads · vocabulary {manifest.vocab_size}"
+    chat = f"chat template `{manifest.chat_template_sha256[:12]}`" if manifest.chat_template_sha256 else "no chat template"
+    return f"Model: **{manifest.model_family}** · {size}{manifest.num_layers} layers · {manifest.num_heads} heads, {manifest.kv_heads} KV heads · vocabulary {manifest.vocab_size} · {chat}"
 
 
 def version_description(

@@ -7,6 +7,7 @@ import secrets
 from pathlib import Path
 
 from components.config import Params
+from components.errors import ConfigError
 from components.workspace import Workspace
 from registry import preflight, registry_target
 
@@ -72,6 +73,7 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
         api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
         webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
         runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting),
+        max_n=config.max_n, chat_template=_chat_template(root, config.chat_template),
     )  # fmt: skip
     host = host or config.host
     if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
@@ -79,3 +81,19 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
 
         render.note(f"serving on {host} with no {API_KEY_ENV}: anyone who reaches this port can use the model")
     serve(source, settings, host, port or config.port)
+
+
+def _chat_template(root: Path, path: str | None) -> Path | None:
+    """serving.chat_template as a file that compiles, checked before the server starts."""
+    from serving.chat import ChatTemplate, ChatTemplateError
+
+    if path is None:
+        return None
+    template = (root / path).resolve()
+    if not template.is_file():
+        raise ConfigError(f"serving.chat_template names {template}, which is not a file")
+    try:
+        ChatTemplate(template.read_text(), {}, str(template))
+    except ChatTemplateError as err:
+        raise ConfigError(f"serving.chat_template: {err}") from None
+    return template

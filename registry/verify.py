@@ -40,6 +40,10 @@ def verified_engine_dir(info: VersionInfo, local: Path) -> EngineDir:
             f"{_name(info)} is refused: its engine file has sha256 {engine_dir.sha256[:12]}…, "
             f"the version's {tags.ENGINE_SHA256} tag says {expected[:12]}…"
         )
+    template = engine_dir.manifest.chat_template_sha256 or "none"
+    recorded = info.tags.get(tags.CHAT_TEMPLATE_SHA256)
+    if recorded is not None and recorded != template:  # versions registered before templates were recorded have no tag
+        raise VersionRefused(f"{_name(info)} is refused: its chat template has sha256 {template[:12]}…, the version's {tags.CHAT_TEMPLATE_SHA256} tag says {recorded[:12]}…")
     return engine_dir
 
 

@@ -49,11 +49,15 @@ class ServerSettings:
     webhook_secret_file: Path | None = None
     webhook_max_age_s: float = 300.0
     runtime: RuntimeOptions = RuntimeOptions()
+    max_n: int = 8  # choices a prompt (OpenAI's `n`)
+    chat_template: Path | None = None  # for a version without a chat template of its own
 
 
 def create_app(source: EngineSource, settings: ServerSettings = ServerSettings()) -> FastAPI:
     metrics = ServerMetrics()
-    follower = AliasFollower(source, settings.runtime, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds))
+    follower = AliasFollower(
+        source, settings.runtime, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds), chat_template=settings.chat_template
+    )
     follower.observe_batches(metrics.observe_batch)
     metrics.watch_engine_process(lambda: follower.current.scheduler.pid if follower.current else None)
 
@@ -105,12 +109,15 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
             raise ApiError(503, "no engine is loaded yet", type="server_busy", code="not_ready")
         return follower.current
 
-    def _submit(completion, started: float) -> tuple[ServedEngine, handlers.Submitted]:
+    def _submit(request, started: float, prepare) -> tuple[ServedEngine, handlers.Submitted]:
+        """Queue the request on the served engine; `prepare(engine)` gives its prompts and
+        sampling (they depend on the version: its tokenizer, template and context)."""
         for attempt in (1, 2):
             engine = served()
-            handlers.check_model(completion, engine)
+            handlers.check_model(request, engine)
+            prompts, sampling = prepare(engine)
             try:
-                return engine, handlers.submit(completion, engine, started, app.state.mailbox)
+                return engine, handlers.submit(prompts, sampling, request, engine, started, app.state.mailbox)
             except ApiError as err:  # swapped between `served()` and `submit`: the new one takes it
                 if err.code != "engine_swapping" or attempt == 2:
                     raise
@@ -143,23 +150,45 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
         started = time.monotonic()
         try:
             _authorize(request, settings)
-            completion = handlers.parse_completion(await _body(request, settings.max_body_bytes), settings.max_tokens)
-            engine, job = _submit(completion, started)  # the engine it starts on is the one it finishes on
+            completion = handlers.parse_completion(await _body(request, settings.max_body_bytes), settings.max_tokens, settings.max_n)
+            sampling = handlers.completion_sampling(completion)
+            engine, job = _submit(completion, started, lambda engine: (handlers.completion_prompts(completion, engine), sampling))
         except ApiError as err:
             metrics.requests.labels(_outcome(err)).inc()
             raise
-        headers = {VERSION_HEADER: engine.version}
         if completion.stream:
-            return EventStream(_streamed(engine, job, metrics), headers=headers)
+            return EventStream(_streamed(handlers.stream(engine, job, completion), job, metrics), headers={VERSION_HEADER: engine.version})
+        return await _answered(handlers.complete(engine, job, completion), engine, job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        started = time.monotonic()
         try:
-            body = await handlers.complete(engine, job)
+            _authorize(request, settings)
+            chat = handlers.parse_chat(await _body(request, settings.max_body_bytes), settings.max_tokens, settings.max_n)
+
+            def prepared(engine: ServedEngine):
+                prompt = handlers.chat_prompt(chat, engine)
+                return [prompt], handlers.chat_sampling(chat, handlers.chat_max_tokens(chat, prompt, engine, settings.max_tokens))
+
+            engine, job = _submit(chat, started, prepared)
+        except ApiError as err:
+            metrics.requests.labels(_outcome(err)).inc()
+            raise
+        if chat.stream:
+            return EventStream(_streamed(handlers.stream_chat(engine, job, chat), job, metrics), headers={VERSION_HEADER: engine.version})
+        return await _answered(handlers.complete_chat(engine, job, chat), engine, job)
+
+    async def _answered(answer, engine: ServedEngine, job: handlers.Submitted) -> Response:
+        try:
+            body = await answer
         except ApiError as err:
             handlers.observe(job, metrics, _outcome(err))
             raise
         finally:
             job.cancel()  # a client gone mid-request frees its slots (no-op once finished)
         handlers.observe(job, metrics, "ok")
-        return JSONResponse(body.model_dump(exclude_none=True), headers=headers)
+        return JSONResponse(body.model_dump(exclude_none=True), headers={VERSION_HEADER: engine.version})
 
     @app.post("/hooks/mlflow")
     async def mlflow_webhook(request: Request) -> Response:
@@ -177,10 +206,10 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
         return JSONResponse({"accepted": True, "followed": ours})
 
 
-async def _streamed(engine: ServedEngine, job: handlers.Submitted, metrics: ServerMetrics) -> AsyncIterator[str]:
+async def _streamed(chunks: AsyncIterator[str], job: handlers.Submitted, metrics: ServerMetrics) -> AsyncIterator[str]:
     outcome = "cancelled"
     try:
-        async for chunk in handlers.stream(engine, job):
+        async for chunk in chunks:
             yield chunk
         outcome = "ok"
     finally:  # also when the client disconnects: its sequences leave the batch at the next step

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from serving.scheduler import SchedulerClosed, Sequence
+from serving.scheduler import Limits, SchedulerClosed, Sequence
 
 
 class EngineLost(SchedulerClosed):
@@ -22,6 +22,7 @@ class EngineLost(SchedulerClosed):
 class EngineClient(Protocol):
     # A request with more prompts than this can never be queued: answered 400, not 503.
     max_waiting: int
+    limits: Limits  # what the engine holds: a chat's default max_tokens is what its context leaves
 
     def submit(self, sequences: list[Sequence]) -> None:
         """Queue the sequences, all or none; each then reports through its own `emit`.

@@ -199,10 +199,13 @@ class EngineProcess:
         if kind == FAILED:
             seq.emit(Failed(item[2]))
             return
-        _, _, new_tokens, seq.first_token_at, seq.last_token_at, *rest = item
+        _, _, new_tokens, new_logprobs, prompt_logprobs, seq.first_token_at, seq.last_token_at, *rest = item
+        if prompt_logprobs is not None:
+            seq.prompt_logprobs = prompt_logprobs
+        seq.logprobs += new_logprobs
         seq.generated += new_tokens
         if kind == DELTA:
-            seq.emit(Delta(rest[0]))
+            seq.emit(Delta(rest[0], len(seq.generated)))
         else:
             reason, seq.text = rest
             seq.emit(Finished(reason, len(seq.prompt), len(seq.generated)))
@@ -264,20 +267,23 @@ def _submit(scheduler: Scheduler, sequences: list[Sequence], outbox: _Outbox) ->
 def _child_sequence(spec: tuple, outbox: _Outbox, held: dict[int, Sequence]) -> Sequence:
     """The scheduler's sequence for one submitted spec; its events become progress items."""
     sid, prompt, sampling, stops, stream = spec
-    sent = 0  # tokens already reported to the server
+    sent = 0  # tokens (and their logprobs, when asked) already reported to the server
+    prompt_sent = False
 
     def emit(event: Event) -> None:
-        nonlocal sent
+        nonlocal sent, prompt_sent
         if isinstance(event, Failed):
             held.pop(sid, None)
             outbox.add((FAILED, sid, event.message))
             return
-        new_tokens, sent = seq.generated[sent:], len(seq.generated)
+        new_tokens, new_logprobs, sent = seq.generated[sent:], seq.logprobs[sent:], len(seq.generated)
+        prompt_logprobs, prompt_sent = (None if prompt_sent else seq.prompt_logprobs), True
+        progress = (sid, new_tokens, new_logprobs, prompt_logprobs, seq.first_token_at, seq.last_token_at)
         if isinstance(event, Delta):
-            outbox.add((DELTA, sid, new_tokens, seq.first_token_at, seq.last_token_at, event.text))
+            outbox.add((DELTA, *progress, event.text))
         else:
             held.pop(sid, None)
-            outbox.add((FINISHED, sid, new_tokens, seq.first_token_at, seq.last_token_at, event.reason, seq.text))
+            outbox.add((FINISHED, *progress, event.reason, seq.text))
 
     seq = Sequence(prompt, sampling, emit, stops=stops, stream=stream)
     held[sid] = seq

@@ -15,10 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from components.errors import KilnError, RegistryError
+from components.errors import KilnError, RegistryError, VersionRefused
 from components.runtime.tokenizer import EngineTokenizer
 from registry import VersionInfo, tags
+from serving.chat import ChatTemplate, ChatTemplateError, chat_template_for
 from serving.engine_client import EngineClient
 from serving.engine_process import EngineProcess, RuntimeOptions
 from serving.loader import PulledVersion
@@ -38,6 +40,7 @@ class ServedEngine:
     tokenizer: EngineTokenizer
     load_seconds: float
     created: int  # Unix seconds, for OpenAI's `created`
+    chat_template: ChatTemplate | None = None  # the version's own, else serving.chat_template's
 
     @property
     def model(self) -> str:
@@ -60,20 +63,29 @@ class ServedEngine:
         }
 
 
-def start_engine(pulled: PulledVersion, options: RuntimeOptions, observe: Callable[[int, int, int], None], on_lost: Callable[[], None]) -> ServedEngine:
+def start_engine(
+    pulled: PulledVersion, options: RuntimeOptions, observe: Callable[[int, int, int], None], on_lost: Callable[[], None], chat_template: Path | None = None
+) -> ServedEngine:
     """Load a pulled version in an engine process, through the runtime the gates used, and
-    warm it; VersionRefused when it cannot serve."""
+    warm it; VersionRefused when it cannot serve (its chat template does not compile, too)."""
     started = time.perf_counter()
+    try:
+        template = chat_template_for(pulled.engine_dir.path, chat_template)
+    except ChatTemplateError as err:
+        raise VersionRefused(f"{pulled.label} is refused: {err}") from None
     process = EngineProcess(pulled, options, observe=observe, on_lost=on_lost)
-    return ServedEngine(pulled, process, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()))
+    return ServedEngine(pulled, process, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()), template)
 
 
 class AliasFollower:
     """Holds the served engine and moves it when the alias moves. `follow` is blocking and
     safe to call from several threads (one swap at a time)."""
 
-    def __init__(self, source: EngineSource, options: RuntimeOptions, on_event: Callable[[str, ServedEngine | None, float], None]) -> None:
+    def __init__(
+        self, source: EngineSource, options: RuntimeOptions, on_event: Callable[[str, ServedEngine | None, float], None], chat_template: Path | None = None
+    ) -> None:
         self.source, self.options = source, options
+        self.chat_template = chat_template  # for versions without a template of their own
         self.current: ServedEngine | None = None
         self._on_event = on_event  # (result, served, seconds): the app's metrics
         self._observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None
@@ -105,7 +117,7 @@ class AliasFollower:
     def _swap_to(self, info: VersionInfo) -> str:
         try:
             started = time.perf_counter()
-            new = start_engine(self.source.pull(info), self.options, self._observe, on_lost=self._reload)
+            new = start_engine(self.source.pull(info), self.options, self._observe, on_lost=self._reload, chat_template=self.chat_template)
         except Exception as err:  # VersionRefused, the registry failing mid-pull, or a runtime's own error: never served
             self._refused.add(info.version)
             self._on_event("refused", self.current, time.perf_counter() - started)

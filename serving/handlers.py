@@ -12,18 +12,36 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from components.errors import ShapeOutOfProfile
 from components.runtime.sampling import Sampling
 from registry import tags
 from serving.engine_client import EngineLost
+from serving.chat import ChatTemplateError
 from serving.follow import ServedEngine
+from serving.logprobs import chat_logprobs, completion_logprobs
 from serving.metrics import ServerMetrics
 from serving.scheduler import Delta, Event, Failed, Finished, QueueFull, SchedulerClosed, Sequence
-from serving.schemas import Choice, Completion, CompletionRequest, ModelCard, ModelList, Usage
+from serving.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    Choice,
+    Completion,
+    CompletionLogprobs,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 class ApiError(Exception):
@@ -33,8 +51,21 @@ class ApiError(Exception):
         self.headers: dict[str, str] = {}
 
 
-def parse_completion(body: bytes, max_tokens_limit: int) -> CompletionRequest:
+def parse_completion(body: bytes, max_tokens_limit: int, max_n: int = 1) -> CompletionRequest:
     """The request body as a CompletionRequest, or a 400 naming the field that is wrong."""
+    request = _parsed(body, CompletionRequest)
+    _check_limits(request.max_tokens, request.n, max_tokens_limit, max_n)
+    return request
+
+
+def parse_chat(body: bytes, max_tokens_limit: int, max_n: int = 1) -> ChatCompletionRequest:
+    """The request body as a ChatCompletionRequest, or a 400 naming the field that is wrong."""
+    request = _parsed(body, ChatCompletionRequest)
+    _check_limits(request.max_new_tokens, request.n, max_tokens_limit, max_n, "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
+    return request
+
+
+def _parsed(body: bytes, model: type[RequestT]) -> RequestT:
     try:
         payload = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -48,26 +79,46 @@ def parse_completion(body: bytes, max_tokens_limit: int) -> CompletionRequest:
     if not isinstance(payload, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(payload).__name__}", code="invalid_json")
     try:
-        request = CompletionRequest.model_validate(payload)
+        return model.model_validate(payload)
     except ValidationError as err:
         # A union field (prompt, stop) fails once per member; a broken limit ("at most 4
         # items") says more than "should be a valid string" about a list that is too long.
         first = min(err.errors(), key=lambda error: error["type"].endswith("_type"))
-        param = str(first["loc"][0]) if first["loc"] else None  # the field; deeper parts name union members
-        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code=first["type"]) from None
-    if request.max_tokens > max_tokens_limit:
-        raise ApiError(400, f"max_tokens is {request.max_tokens}; this server allows at most {max_tokens_limit}", param="max_tokens")
-    return request
+        # The field; deeper parts name union members. A check across fields names its field as its type.
+        param = str(first["loc"][0]) if first["loc"] else first["type"] if first["type"] in model.model_fields else None
+        message = first["msg"] if not first["loc"] and param else f"{param or 'body'}: {first['msg']}"
+        raise ApiError(400, message, param=param, code=first["type"]) from None
+
+
+def _check_limits(max_tokens: int | None, n: int, max_tokens_limit: int, max_n: int, name: str = "max_tokens") -> None:
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        raise ApiError(400, f"{name} is {max_tokens}; this server allows at most {max_tokens_limit}", param=name)
+    if n > max_n:
+        raise ApiError(400, f"n is {n}; this server gives at most {max_n} choices a prompt (serving.max_n)", param="n")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the engine gets it, and as `echo` gives it back."""
+
+    ids: list[int]
+    text: str
 
 
 @dataclass
 class Submitted:
-    """A request's sequences in the scheduler and the one queue their events arrive on."""
+    """A request's sequences in the scheduler (`n` a prompt, choice i of prompt p at index
+    p * n + i, as OpenAI numbers them) and the one queue their events arrive on."""
 
     sequences: list[Sequence]
+    prompts: list[Prompt]
+    n: int
     events: asyncio.Queue
     started: float  # time.monotonic(), the clock of the sequences' token times
     done: set[int] = field(default_factory=set)
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.n]
 
     def cancel(self) -> None:
         for seq in self.sequences:
@@ -102,23 +153,57 @@ class Mailbox:
             queue.put_nowait(item)
 
 
-def submit(request: CompletionRequest, served: ServedEngine, started: float, mailbox: Mailbox) -> Submitted:
-    """Tokenize, check against the engine's profile, and queue every prompt of the request."""
-    events: asyncio.Queue = asyncio.Queue()
-    sampling = Sampling(
-        max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos
-    )
-    vocab = served.pulled.engine_dir.manifest.vocab_size
-    if len(request.prompts) > served.scheduler.max_waiting:  # a 503 would have it retry what can never fit
-        raise ApiError(400, f"the request has {len(request.prompts)} prompts; this server takes at most {served.scheduler.max_waiting} in one request", param="prompt")
-    sequences = []
+def completion_prompts(request: CompletionRequest, served: ServedEngine) -> list[Prompt]:
+    """Each prompt's tokens (text as the model expects to begin, with Llama's BOS; token ids
+    as sent), checked against the vocabulary."""
+    prompts = []
     for index, prompt in enumerate(request.prompts):
-        ids = served.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
-        if not ids:
+        if isinstance(prompt, str):
+            prompts.append(Prompt(served.tokenizer.encode_prompt(prompt), prompt))
+            continue
+        vocab = served.pulled.engine_dir.manifest.vocab_size
+        if max(prompt) >= vocab:
+            raise ApiError(400, f"prompt {index} has token id {max(prompt)}; the model's vocabulary has {vocab}", param="prompt")
+        prompts.append(Prompt(list(prompt), served.tokenizer.decode(list(prompt))))
+    for index, prompt in enumerate(prompts):
+        if not prompt.ids:
             raise ApiError(400, f"prompt {index} encodes to no tokens", param="prompt")
-        if max(ids) >= vocab:
-            raise ApiError(400, f"prompt {index} has token id {max(ids)}; the model's vocabulary has {vocab}", param="prompt")
-        sequences.append(Sequence(ids, sampling, _emitter(mailbox, events, index), stops=request.stops, stream=request.stream))
+    return prompts
+
+
+def chat_prompt(request: ChatCompletionRequest, served: ServedEngine) -> Prompt:
+    """The messages rendered with the served version's chat template, then tokenized as they
+    stand (the template writes the special tokens), as transformers' apply_chat_template does."""
+    if served.chat_template is None:
+        raise ApiError(400, f"{served.model} version {served.version} has no chat template (its tokenizer_config.json or chat_template.jinja defines none, and serving.chat_template names none): use /v1/completions", param="messages", code="no_chat_template")
+    try:
+        text = served.chat_template.render([message.for_template() for message in request.messages])
+    except ChatTemplateError as err:
+        raise ApiError(400, str(err), param="messages", code="chat_template_error") from None
+    ids = served.tokenizer.encode(text)
+    if not ids:
+        raise ApiError(400, "the messages render to no tokens", param="messages")
+    return Prompt(ids, text)
+
+
+def chat_max_tokens(request: ChatCompletionRequest, prompt: Prompt, served: ServedEngine, server_limit: int) -> int:
+    """What the client asked for, else as much as the server and the engine's context allow."""
+    if request.max_new_tokens is not None:
+        return request.max_new_tokens
+    return max(1, min(server_limit, served.scheduler.limits.max_total - len(prompt.ids)))
+
+
+def submit(prompts: list[Prompt], sampling: Sampling, request: CompletionRequest | ChatCompletionRequest, served: ServedEngine, started: float, mailbox: Mailbox) -> Submitted:
+    """Queue `request.n` sequences for each prompt, each choice on its own seed stream."""
+    events: asyncio.Queue = asyncio.Queue()
+    count = len(prompts) * request.n
+    if count > served.scheduler.max_waiting:  # a 503 would have it retry what can never fit
+        raise ApiError(400, f"the request asks for {count} sequences (prompts × n); this server takes at most {served.scheduler.max_waiting} in one request", param="prompt" if request.n == 1 else "n")
+    sequences = [
+        Sequence(prompt.ids, replace(sampling, seed_stream=choice), _emitter(mailbox, events, index * request.n + choice), stops=request.stops, stream=request.stream)
+        for index, prompt in enumerate(prompts)
+        for choice in range(request.n)
+    ]
     try:
         served.scheduler.submit(sequences)
     except ShapeOutOfProfile as err:
@@ -129,7 +214,22 @@ def submit(request: CompletionRequest, served: ServedEngine, started: float, mai
         raise _busy(f"the engine is not running: {err}", "engine_lost") from None
     except SchedulerClosed as err:
         raise _busy(f"the engine is being swapped: {err}; retry", "engine_swapping") from None
-    return Submitted(sequences, events, started)
+    return Submitted(sequences, prompts, request.n, events, started)
+
+
+def completion_sampling(request: CompletionRequest) -> Sampling:
+    asked = request.logprobs
+    return Sampling(
+        max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos,
+        logprobs=asked, prompt_logprobs=asked if request.echo else None,
+    )  # fmt: skip
+
+
+def chat_sampling(request: ChatCompletionRequest, max_tokens: int) -> Sampling:
+    return Sampling(
+        max_new_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+    )  # fmt: skip
 
 
 def _busy(message: str, code: str) -> ApiError:
@@ -153,35 +253,129 @@ async def events_of(job: Submitted) -> AsyncIterator[tuple[int, Event]]:
         yield index, event
 
 
-async def complete(served: ServedEngine, job: Submitted) -> Completion:
-    """The whole answer once every sequence has ended (its text is then final: the
-    scheduler sends no deltas for a request that does not stream)."""
-    finished: dict[int, Finished] = {}
-    async for index, event in events_of(job):
-        if isinstance(event, Finished):
-            finished[index] = event
-    choices = [Choice(index=i, text=seq.text, finish_reason=finished[i].reason) for i, seq in enumerate(job.sequences)]
+async def finished_of(job: Submitted) -> dict[int, Finished]:
+    """Each sequence's end, once all have ended (their texts are then final: the scheduler
+    sends no deltas for a request that does not stream)."""
+    return {index: event async for index, event in events_of(job) if isinstance(event, Finished)}
+
+
+async def complete(served: ServedEngine, job: Submitted, request: CompletionRequest) -> Completion:
+    """The whole completion once every sequence has ended."""
+    finished = await finished_of(job)
+    choices = [
+        Choice(index=i, text=(job.prompt_of(i).text if request.echo else "") + seq.text, finish_reason=finished[i].reason, logprobs=_completion_logprobs(served, job, i, request))
+        for i, seq in enumerate(job.sequences)
+    ]  # fmt: skip
     return Completion(id=job_id(), created=int(time.time()), model=served.model, choices=choices, usage=usage_of(finished.values()))
 
 
-async def stream(served: ServedEngine, job: Submitted) -> AsyncIterator[str]:
+def _completion_logprobs(served: ServedEngine, job: Submitted, index: int, request: CompletionRequest) -> CompletionLogprobs | None:
+    if request.logprobs is None:
+        return None
+    seq = job.sequences[index]
+    tokens, logprobs = list(seq.generated), list(seq.logprobs)
+    if request.echo:
+        tokens, logprobs = seq.prompt + tokens, list(seq.prompt_logprobs or [None] * len(seq.prompt)) + logprobs
+    return completion_logprobs(served.tokenizer, tokens, logprobs)
+
+
+async def complete_chat(served: ServedEngine, job: Submitted, request: ChatCompletionRequest) -> ChatCompletion:
+    """The whole chat completion once every choice has ended."""
+    finished = await finished_of(job)
+    choices = [
+        ChatChoice(
+            index=i, message=AssistantMessage(content=seq.text), finish_reason=finished[i].reason,
+            logprobs=ChatLogprobs(content=chat_logprobs(served.tokenizer, seq.generated, seq.logprobs)) if request.logprobs else None,
+        )  # fmt: skip
+        for i, seq in enumerate(job.sequences)
+    ]
+    return ChatCompletion(id=job_id("chatcmpl"), created=int(time.time()), model=served.model, choices=choices, usage=usage_of(finished.values()))
+
+
+async def stream(served: ServedEngine, job: Submitted, request: CompletionRequest) -> AsyncIterator[str]:
     """Server-sent events: a chunk per generated token, a last chunk per choice with its
     finish_reason (and the usage, once all have ended), then `data: [DONE]`. Chunks that
     are ready together leave in one write. A token's chunk may carry no text (part of a
     character, or text held back while it could begin a stop string): sent all the same,
     as vLLM does, so that a client sees each token as its step completes (a model whose
-    tokens decode to nothing for a while streamed nothing until its end)."""
+    tokens decode to nothing for a while streamed nothing until its end). With `echo`, a
+    choice's first chunk is its prompt."""
     chunks = _ChunkWriter(job_id(), int(time.time()), served.model)
+    sent = [0] * len(job.sequences)  # tokens whose logprobs have gone out, per choice
+    offsets = [0] * len(job.sequences)  # text sent, per choice (logprobs' text_offset)
+    echoed: set[int] = set()
+
+    def echo(index: int) -> str:
+        # At the choice's first event: its prompt's log probabilities come with it.
+        if not request.echo or index in echoed:
+            return ""
+        echoed.add(index)
+        prompt, seq = job.prompt_of(index), job.sequences[index]
+        if request.logprobs is None:
+            return chunks.delta(index, prompt.text)
+        logprobs = completion_logprobs(served.tokenizer, seq.prompt, seq.prompt_logprobs or [None] * len(seq.prompt))
+        offsets[index] = sum(map(len, logprobs.tokens))
+        return chunks.chunk(index, prompt.text, logprobs.model_dump())
+
+    def delta(index: int, event: Delta) -> str:
+        if request.logprobs is None:
+            return echo(index) + chunks.delta(index, event.text)
+        head, seq, start = echo(index), job.sequences[index], sent[index]
+        sent[index] = event.tokens
+        logprobs = completion_logprobs(served.tokenizer, seq.generated[start : event.tokens], seq.logprobs[start : event.tokens], offsets[index])
+        offsets[index] += sum(map(len, logprobs.tokens))
+        return head + chunks.chunk(index, event.text, logprobs.model_dump())
+
+    def last(index: int, event: Finished, usage: Usage | None) -> str:
+        return echo(index) + chunks.last(index, event.reason, usage)
+
+    async for piece in _stream_events(job, [], delta, last, lambda usage: ""):
+        yield piece
+
+
+async def stream_chat(served: ServedEngine, job: Submitted, request: ChatCompletionRequest) -> AsyncIterator[str]:
+    """`chat.completion.chunk` events: each choice's role first, then its content token by
+    token, then its finish_reason; with stream_options.include_usage, every chunk has a
+    `usage` of null and a last chunk with no choices carries the usage; then `data: [DONE]`."""
+    head = {"id": job_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": served.model}
+    with_usage = {"usage": None} if request.include_usage else {}
+    sent = [0] * len(job.sequences)
+
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish_reason}
+        return f"data: {json.dumps(head | {'choices': [choice]} | with_usage, ensure_ascii=False)}\n\n"
+
+    def delta(index: int, event: Delta) -> str:
+        if not request.logprobs:
+            return chunk(index, {"content": event.text})
+        seq, start = job.sequences[index], sent[index]
+        sent[index] = event.tokens
+        entries = chat_logprobs(served.tokenizer, seq.generated[start : event.tokens], seq.logprobs[start : event.tokens])
+        return chunk(index, {"content": event.text}, logprobs=[entry.model_dump() for entry in entries])
+
+    def usage_chunk(usage: Usage) -> str:
+        return f"data: {json.dumps(head | {'choices': [], 'usage': usage.model_dump()}, ensure_ascii=False)}\n\n" if request.include_usage else ""
+
+    ready = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(job.sequences))]
+    async for piece in _stream_events(job, ready, delta, lambda index, event, usage: chunk(index, {}, event.reason), usage_chunk):
+        yield piece
+
+
+async def _stream_events(job: Submitted, ready: list[str], delta, last, usage_chunk) -> AsyncIterator[str]:
+    """The request's events as SSE text: `delta(index, Delta)`, `last(index, Finished, usage
+    or None)` per choice, `usage_chunk(usage)` once all have ended, then `[DONE]`; an error
+    after the headers went out travels as an event."""
     finished: dict[int, Finished] = {}
-    ready: list[str] = []
     try:
         async for index, event in events_of(job):
             if isinstance(event, Delta):
-                ready.append(chunks.delta(index, event.text))
+                ready.append(delta(index, event))
             else:
                 finished[index] = event
-                last = len(finished) == len(job.sequences)
-                ready.append(chunks.last(index, event.reason, usage_of(finished.values()) if last else None))
+                usage = usage_of(finished.values()) if len(finished) == len(job.sequences) else None
+                ready.append(last(index, event, usage))
+                if usage is not None:
+                    ready.append(usage_chunk(usage))
             if ready and job.events.empty():
                 yield "".join(ready)
                 ready.clear()
@@ -203,6 +397,11 @@ class _ChunkWriter:
 
     def delta(self, index: int, text: str) -> str:
         return f'{self._prefix}{index}, "text": {json.dumps(text, ensure_ascii=False)}, "logprobs": null, "finish_reason": null}}]}}\n\n'
+
+    def chunk(self, index: int, text: str, logprobs: dict) -> str:
+        """A delta with its tokens' logprobs (asked for, so off the hot path)."""
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return f"data: {json.dumps(self._head | {'choices': [choice]}, ensure_ascii=False)}\n\n"
 
     def last(self, index: int, reason: str, usage: Usage | None) -> str:
         choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
@@ -240,10 +439,10 @@ def model_list(served: ServedEngine, alias: str | None) -> ModelList:
     return ModelList(data=[card])
 
 
-def check_model(request: CompletionRequest, served: ServedEngine) -> None:
+def check_model(request: CompletionRequest | ChatCompletionRequest, served: ServedEngine) -> None:
     if request.model != served.model:
         raise ApiError(404, f"model {request.model!r} is not served here; this server serves {served.model!r}", param="model", code="model_not_found")
 
 
-def job_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def job_id(kind: str = "cmpl") -> str:
+    return f"{kind}-{uuid.uuid4().hex}"

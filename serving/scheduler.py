@@ -25,6 +25,7 @@ import numpy as np
 from components.engine_dir import EngineManifest
 from components.errors import KilnError, ShapeOutOfProfile
 from components.runtime.engine import DecodeState, Engine, left_pad
+from components.runtime.logprobs import TokenLogprob, logprobs_of
 from components.runtime.sampling import Sampling, pick_each
 from components.runtime.tokenizer import EngineTokenizer
 from serving.text import TextStream
@@ -50,9 +51,11 @@ class SchedulerClosed(KilnError):
 
 @dataclass(frozen=True)
 class Delta:
-    """New text for a streaming client (empty when a token released none yet)."""
+    """New text for a streaming client (empty when a token released none yet), and how many
+    tokens the sequence had generated when it was released (its logprobs are theirs)."""
 
     text: str
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class Sequence:
     stops: tuple[str, ...] = ()  # OpenAI's `stop`: the text ends just before the first one
     stream: bool = True  # False: no Delta events, the text is read from `text` once Finished
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the first token's is None (nothing before it)
     text: str = ""  # the completion's whole text, set when it has finished
     cancelled: bool = False
     # time.monotonic(), for time to first token: CLOCK_MONOTONIC on Linux, one clock for
@@ -135,7 +140,7 @@ class _Held:
         draw, and seeding one from the OS's entropy takes ~10 µs, more than the rest of a
         sequence's submit."""
         if self._rng is None:
-            self._rng = np.random.default_rng(self.seq.sampling.seed)
+            self._rng = self.seq.sampling.generator()
         return self._rng
 
 
@@ -246,12 +251,16 @@ class Scheduler:
 
     def _prefill(self, admitted: list[_Held]) -> None:
         ids, mask = left_pad([r.seq.prompt for r in admitted], self.engine.manifest.eos_token_id)
+        scored = [r for r in admitted if r.seq.sampling.prompt_logprobs is not None]
         try:
-            logits, state = self.engine.prefill(ids, mask)
+            logits, state = self.engine.prefill(ids, mask, every_position=bool(scored))
         except Exception as err:
             for r in admitted:
                 r.seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
             return
+        for index, r in enumerate(admitted):
+            if r.seq.sampling.prompt_logprobs is not None:
+                r.seq.prompt_logprobs = _prompt_logprobs(logits[index], r.seq.prompt, r.seq.sampling.prompt_logprobs)
         rows = self._place(admitted, state)
         self._live += len(admitted)
         self._advance(logits[:, -1], rows)
@@ -294,27 +303,32 @@ class Scheduler:
                 r.seq.emit(Failed(failed[index]))
                 continue
             self._next[row] = token
-            reason = self._accept(r, token, now)
+            reason = self._accept(r, token, logits[index], now)
             if reason:
                 done.append(row)
                 rest = r.text.finish()
                 if rest and r.seq.stream:
-                    r.seq.emit(Delta(rest))
+                    r.seq.emit(Delta(rest, len(r.seq.generated)))
                 r.seq.text = r.text.text
                 r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated)))
         self._release(done)
 
-    def _accept(self, r: _Held, token: int, now: float) -> str | None:
-        """Add a token to the sequence; the finish reason if it ends here."""
+    def _accept(self, r: _Held, token: int, logits: np.ndarray, now: float) -> str | None:
+        """Add a token to the sequence (`logits`: its step's row); the finish reason if it
+        ends here. A sequence of max_tokens 0 (a prompt scored with `echo`) takes none."""
         seq = r.seq
+        if seq.sampling.max_new_tokens == 0:
+            return "length"
         if seq.sampling.stop_at_eos and token in self.engine.manifest.stop_ids:
             return "stop"
         seq.generated.append(token)
+        if seq.sampling.logprobs is not None:
+            seq.logprobs += logprobs_of(logits[None], [token], seq.sampling.logprobs)
         seq.last_token_at = now
         seq.first_token_at = seq.first_token_at or seq.last_token_at
         delta = r.text.add(token)
         if seq.stream:
-            seq.emit(Delta(delta))
+            seq.emit(Delta(delta, len(seq.generated)))
         if r.text.stopped:
             return "stop"
         if len(seq.generated) >= seq.sampling.max_new_tokens:
@@ -364,3 +378,10 @@ class Scheduler:
             self._state.rows([])  # gives the cache back (an engine's device slots)
         self._running, self._state, self._next = [], None, np.zeros(0, np.int64)
         self._live, self._free = 0, set()
+
+
+def _prompt_logprobs(logits: np.ndarray, prompt: list[int], top: int) -> list[TokenLogprob | None]:
+    """The log probability of each prompt token given those before it, from the prefill's
+    logits of a left-padded row (`logits`: every position, the prompt at the right end)."""
+    before = logits[len(logits) - len(prompt) : len(logits) - 1]  # position i predicts token i + 1
+    return [None, *logprobs_of(before, prompt[1:], top)]

@@ -361,6 +361,7 @@ def test_the_seam_rules_see_a_planted_violation():
 
     class NoPid:
         max_waiting = 1
+        limits = "the engine's"
 
         def submit(self, sequences): ...
 

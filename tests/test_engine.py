@@ -167,6 +167,25 @@ def test_a_corrupt_engine_file_is_refused_before_loading(tmp_path, engine_dir):
         load_engine(copy)
 
 
+def test_an_engine_directory_holds_exactly_the_chat_template_it_was_built_with(tmp_path, engine_dir):
+    """What the server renders chats with is what engine.json records (and the version's tag
+    records that): an added, edited or removed template is refused like a corrupt engine."""
+    copy = shutil.copytree(engine_dir.path, tmp_path / "engine")
+    template = copy / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(EngineError, match="engine.json does not record"):
+        load_engine_dir(copy)
+    manifest = json.loads((copy / "engine.json").read_text()) | {"chat_template_sha256": file_sha256(template)}
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    assert load_engine_dir(copy).manifest.chat_template_sha256 == file_sha256(template)
+    template.write_text("{{ messages[0]['content'] }}")
+    with pytest.raises(EngineError, match="chat_template.jinja has sha256"):
+        load_engine_dir(copy)
+    template.unlink()
+    with pytest.raises(EngineError, match="lacks chat_template.jinja"):
+        load_engine_dir(copy)
+
+
 def test_a_folder_without_engine_json_is_not_an_engine(tmp_path):
     with pytest.raises(EngineError, match="no engine.json"):
         load_engine_dir(tmp_path)

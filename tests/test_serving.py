@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -210,6 +211,285 @@ def test_a_stop_string_ends_the_text_before_it(server):
         choice = completion(client, **sampled, stop=[stop, "never-appears"]).json()["choices"][0]
     assert choice["text"] == full[: full.index(stop)]
     assert choice["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------- log probabilities, echo, n
+
+
+def hf_logprobs(model_dir: Path, ids: list[int]):
+    """Hugging Face's log_softmax of the source model's logits at every position (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+
+
+def test_greedy_logprobs_of_the_fp32_engine_match_hugging_faces_log_softmax_with_the_prompt_echoed(server, tiny_model, engine, tokenizer):
+    prompt, new = "The list type", 6
+    with server.client() as client:
+        body = completion(client, prompt=prompt, max_tokens=new, temperature=0, logprobs=3, echo=True, ignore_eos=True).json()
+    choice = body["choices"][0]
+    prompt_ids = tokenizer.encode_prompt(prompt)
+    ids = prompt_ids + engine.generate([prompt_ids], Sampling(max_new_tokens=new, stop_at_eos=False))[0]
+    expected = hf_logprobs(tiny_model.path, ids)
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.token_text(i) for i in ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # nothing predicts the first token
+    for position in range(1, len(ids)):
+        assert abs(logprobs["token_logprobs"][position] - expected[position - 1, ids[position]]) < 1e-4, position
+        best = np.argsort(-expected[position - 1])[:3]
+        top = logprobs["top_logprobs"][position]
+        assert list(top)[:3] == [tokenizer.token_text(i) for i in best]  # most likely first
+        assert np.allclose(list(top.values())[:3], expected[position - 1, best], atol=1e-4)
+    for position in range(len(prompt_ids), len(ids)):  # greedy: each generated token is its step's most likely
+        assert logprobs["token_logprobs"][position] == max(logprobs["top_logprobs"][position].values())
+    assert choice["text"] == prompt + tokenizer.decode(ids[len(prompt_ids) :])
+    assert [choice["text"][o : o + len(t)] for o, t in zip(logprobs["text_offset"], logprobs["tokens"], strict=True)] == logprobs["tokens"]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone_as_lm_eval_asks(server, tokenizer):
+    ids = tokenizer.encode("The list type is a")
+    with server.client() as client:
+        scored = completion(client, prompt=[ids, ids[:3]], max_tokens=0, echo=True, logprobs=1, temperature=0).json()
+        longer = completion(client, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0).json()
+    first, short = scored["choices"]
+    assert first["finish_reason"] == "length" and first["text"] == tokenizer.decode(ids)
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(ids) + 3
+    assert len(first["logprobs"]["token_logprobs"]) == len(ids) and len(short["logprobs"]["token_logprobs"]) == 3
+    # The same prompt scores the same alone, beside another (padded) prompt, or before a generated token.
+    assert short["logprobs"]["token_logprobs"] == pytest.approx(first["logprobs"]["token_logprobs"][:3], abs=1e-5)
+    assert longer["choices"][0]["logprobs"]["token_logprobs"][: len(ids)] == pytest.approx(first["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_logprobs_stream_with_their_tokens_and_add_up_to_the_whole_answers(server):
+    body = {"prompt": "A class", "max_tokens": 8, "temperature": 0, "logprobs": 2, "echo": True, "ignore_eos": True}
+    with server.client() as client:
+        whole = completion(client, **body).json()["choices"][0]
+        with client.stream("POST", "/v1/completions", json={"model": MODEL, "stream": True} | body) as response:
+            chunks = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line and line != "data: [DONE]"]
+    choices = [c["choices"][0] for c in chunks]
+    assert choices[0]["text"] == "A class"  # the echo comes first
+    streamed = {key: [v for c in choices if c["logprobs"] for v in c["logprobs"][key]] for key in ("tokens", "token_logprobs", "text_offset")}
+    assert streamed["tokens"] == whole["logprobs"]["tokens"]
+    assert streamed["token_logprobs"][0] is None and whole["logprobs"]["token_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert streamed["text_offset"] == whole["logprobs"]["text_offset"]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+
+
+def test_n_choices_are_independent_draws_and_the_first_is_the_single_choice_of_the_same_seed(server):
+    sampled = dict(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    with server.client() as client:
+        one = completion(client, prompt="The list", **sampled).json()
+        three = completion(client, prompt="The list", n=3, **sampled).json()
+        again = completion(client, prompt="The list", n=3, **sampled).json()
+        two_prompts = completion(client, prompt=["The list", "A class"], n=2, **sampled).json()
+    texts = [c["text"] for c in three["choices"]]
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert texts[0] == one["choices"][0]["text"]
+    assert len(set(texts)) == 3  # each choice draws from its own stream
+    assert [c["text"] for c in again["choices"]] == texts  # and the seed makes them reproducible
+    assert three["usage"]["completion_tokens"] == 30 and three["usage"]["prompt_tokens"] == 3 * one["usage"]["prompt_tokens"]
+    # Choice i of prompt p is index p * n + i, as OpenAI numbers them.
+    assert [c["text"] for c in two_prompts["choices"][:2]] == texts[:2]
+
+
+def test_the_openai_client_gets_logprobs_echo_and_n_from_completions(server, tokenizer):
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    answer = client.completions.create(model=MODEL, prompt="The list", max_tokens=4, temperature=0, logprobs=2, echo=True, n=2, extra_body={"ignore_eos": True})
+    assert len(answer.choices) == 2 and answer.choices[0].text == answer.choices[1].text  # greedy: the same twice
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == len(tokenizer.encode_prompt("The list")) + 4
+    assert logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])  # two alternatives and the chosen token
+
+
+def test_asking_for_no_logprobs_computes_none(own_engine, tokenizer):
+    """Log probabilities cost nothing when not asked: the scheduler computes none."""
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    scheduler, done = Scheduler(own_engine, tokenizer, max_waiting=4), threading.Semaphore(0)
+    plain = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=5, stop_at_eos=False), lambda e: isinstance(e, Finished) and done.release())
+    asked = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=5, stop_at_eos=False, logprobs=0), lambda e: isinstance(e, Finished) and done.release())
+    scheduler.submit([plain, asked])
+    assert done.acquire(timeout=30) and done.acquire(timeout=30) and scheduler.close(timeout=5)
+    assert plain.logprobs == [] and plain.prompt_logprobs is None
+    assert len(asked.logprobs) == 5 and all(entry.top == () for entry in asked.logprobs)
+    assert plain.generated == asked.generated
+
+
+def test_logprobs_are_the_models_own_before_temperature_and_top_p(own_engine, tokenizer, tiny_model):
+    """Sampled hot and with a narrow nucleus, a token's log probability is still the raw
+    log-softmax of the model's logits (vLLM's default), so it means the same whatever the sampling."""
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    scheduler, done = Scheduler(own_engine, tokenizer, max_waiting=4), threading.Event()
+    sampled = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=6, temperature=1.7, top_p=0.5, seed=3, stop_at_eos=False, logprobs=0), lambda e: isinstance(e, Finished) and done.set())
+    scheduler.submit([sampled])
+    assert done.wait(timeout=30) and scheduler.close(timeout=5)
+    ids = sampled.prompt + sampled.generated
+    expected = hf_logprobs(tiny_model.path, ids)
+    got = [entry.logprob for entry in sampled.logprobs]
+    assert got == pytest.approx([expected[p - 1, ids[p]] for p in range(len(sampled.prompt), len(ids))], abs=1e-4)
+
+
+# ---------------------------------------------------------------- chat completions
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+# Templates in the style of the families' own: Llama 3's (BOS, headers, strftime_now, trim),
+# Qwen2's (a default system prompt found with a namespace and break), Mistral's (alternation
+# enforced with raise_exception) and one with transformers' generation tag and tojson.
+TEMPLATES = {
+    "llama3": (
+        "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}"
+        "{%- else %}{%- set system_message = '' %}{%- endif %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+        "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n\\n' }}{{- system_message }}{{- '<|eot_id|>' }}{%- for message in messages %}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    ),
+    "qwen2": (
+        "{%- set ns = namespace(found=false) -%}{%- for message in messages -%}{%- if message.role == 'system' -%}{%- set ns.found = true -%}{%- break -%}"
+        "{%- endif -%}{%- endfor -%}{%- if not ns.found -%}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    ),
+    "mistral": (
+        "{{ bos_token }}{% for message in messages %}\n    {% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\n"
+        "        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}\n    {% endif %}\n"
+        "    {% if message['role'] == 'user' %}\n{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}\n"
+        "{{ message['content'] + eos_token }}{% endif %}\n{% endfor %}"
+    ),
+    "generation-tag": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m | tojson }}{% endif %}{% endfor %}",
+}
+CONVERSATION = [
+    {"role": "user", "content": '  Is <b>"é"</b> a list?  '},
+    {"role": "assistant", "content": "Yes — a list."},
+    {"role": "user", "content": "And 漢字?"},
+]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_the_server_renders_a_chat_template_exactly_as_transformers_does(engine_dir, name):
+    import jinja2
+    from transformers import PreTrainedTokenizerFast
+
+    from serving.chat import ChatTemplate, ChatTemplateError
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(engine_dir.path / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+    ours = ChatTemplate(TEMPLATES[name], {"bos_token": "<s>", "eos_token": "</s>"}, name)
+    for messages in (CONVERSATION, [{"role": "system", "content": "Be brief."}, *CONVERSATION]):
+        try:
+            expected = hf.apply_chat_template(messages, chat_template=TEMPLATES[name], tokenize=False, add_generation_prompt=True)
+        except jinja2.TemplateError as refused:  # Mistral's refuses a system message: so must the server, in the template's words
+            with pytest.raises(ChatTemplateError, match="roles must alternate"):
+                ours.render(messages)
+            assert "roles must alternate" in str(refused)
+            continue
+        assert ours.render(messages) == expected
+
+
+@pytest.fixture(scope="module")
+def chat_server(store, tmp_path_factory):
+    """The champion (a model without a chat template) served with serving.chat_template."""
+    template = tmp_path_factory.mktemp("chat") / "chatml.jinja"
+    template.write_text(CHATML)
+    with LiveServer(store.app(chat_template=template)) as live:
+        yield live
+
+
+def test_a_model_without_a_chat_template_answers_chat_with_400_saying_so(server):
+    with server.client() as client:
+        response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert completion(client, prompt="x", max_tokens=2).status_code == 200
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("messages", "no_chat_template") and "no chat template" in error["message"]
+
+
+def test_chat_renders_the_template_and_answers_what_the_engine_generates_for_it(chat_server, engine, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "The list"}, {"type": "text", "text": "type"}]}]
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nThe list\ntype<|im_end|>\n<|im_start|>assistant\n"
+    client = OpenAI(base_url=f"{chat_server.url}/v1", api_key="unused")
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
+    expected = tokenizer.decode(engine.generate([tokenizer.encode(rendered)], Sampling(max_new_tokens=10))[0])
+    assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    assert answer.choices[0].message.role == "assistant" and answer.choices[0].message.content == expected
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(rendered))
+
+
+def test_chat_streams_the_role_then_the_content_then_the_finish_reason_then_the_usage(chat_server):
+    client = OpenAI(base_url=f"{chat_server.url}/v1", api_key="unused")
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "A class"}], max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_logprobs_give_each_token_with_its_bytes_and_top_alternatives(chat_server):
+    client = OpenAI(base_url=f"{chat_server.url}/v1", api_key="unused")
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The list"}], max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == answer.choices[0].message.content
+    for entry in content:
+        assert bytes(entry.bytes).decode() == entry.token and len(entry.top_logprobs) == 3
+        assert entry.logprob == entry.top_logprobs[0].logprob  # greedy: the chosen token is the most likely
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+
+
+def test_a_chat_without_max_tokens_may_use_the_rest_of_the_context(chat_server):
+    with chat_server.client() as client:
+        response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "The list"}], "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 64  # the test server's max_tokens, which the context allows
+
+
+BAD_CHATS = {
+    "no-messages": ({"messages": None}, "messages"),  # None: the field is left out
+    "empty-messages": ({"messages": []}, "messages"),
+    "unknown-role": ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    "content-not-text": ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    "image-part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    "top-logprobs-without-logprobs": ({"top_logprobs": 2}, "top_logprobs"),
+    "too-many-top-logprobs": ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "max-completion-tokens-over-limit": ({"max_completion_tokens": 65}, "max_completion_tokens"),
+    "n-over-the-servers-limit": ({"n": 9}, "n"),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CHATS, ids=list(BAD_CHATS))
+def test_a_bad_chat_request_is_a_400_naming_the_field_and_the_server_keeps_answering(chat_server, case):
+    fields, param = BAD_CHATS[case]
+    with chat_server.client() as client:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]} | fields
+        response = client.post("/v1/chat/completions", json={key: value for key, value in body.items() if value is not None})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+        assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).status_code == 200
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_with_its_own_words(store, tmp_path):
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user message') }}{% endif %}" + CHATML)
+    with LiveServer(store.app(chat_template=template)) as live, live.client() as client:
+        response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]})
+        assert client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).status_code == 200
+    assert response.status_code == 400
+    assert "Conversations must start with a user message" in response.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- continuous batching
@@ -471,6 +751,11 @@ BAD_INPUTS = {
     "nested-too-deeply": (b"[" * 2000 + b"]" * 2000, 400, None),
     "more-prompts-than-the-waiting-line": (b'{"model": "kiln-serve", "prompt": [' + b", ".join([b'"x"'] * 33) + b"]}", 400, "prompt"),
     "integer-with-5000-digits": (b'{"model": "kiln-serve", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", 400, None),
+    "logprobs-over-5": (b'{"model": "kiln-serve", "prompt": "x", "logprobs": 6}', 400, "logprobs"),
+    "echo-not-a-bool": (b'{"model": "kiln-serve", "prompt": "x", "echo": "yes"}', 400, "echo"),
+    "n-zero": (b'{"model": "kiln-serve", "prompt": "x", "n": 0}', 400, "n"),
+    "n-over-the-servers-limit": (b'{"model": "kiln-serve", "prompt": "x", "n": 9}', 400, "n"),
+    "prompts-times-n-over-the-waiting-line": (b'{"model": "kiln-serve", "prompt": ["x", "y", "z", "w", "v"], "n": 7}', 400, "n"),
 }
 
 
@@ -568,7 +853,7 @@ class SlowSteps(Engine):
 def test_time_to_first_token_records_the_first_token_not_the_whole_request(own_engine, tokenizer):
     import asyncio
 
-    from serving.handlers import Submitted, observe
+    from serving.handlers import Prompt, Submitted, observe
     from serving.metrics import ServerMetrics
     from serving.scheduler import Finished, Scheduler, Sequence
 
@@ -576,7 +861,7 @@ def test_time_to_first_token_records_the_first_token_not_the_whole_request(own_e
     scheduler = Scheduler(SlowSteps(own_engine, step_s), tokenizer, max_waiting=4)
     done = threading.Event()
     sequence = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=new_tokens, stop_at_eos=False), lambda e: done.set() if isinstance(e, Finished) else None)
-    job = Submitted([sequence], asyncio.Queue(), started=time.monotonic())
+    job = Submitted([sequence], [Prompt(sequence.prompt, "The list")], 1, asyncio.Queue(), started=time.monotonic())
     scheduler.submit([sequence])
     assert done.wait(timeout=30) and scheduler.close(timeout=5)
     metrics = ServerMetrics()

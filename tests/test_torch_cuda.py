@@ -259,6 +259,30 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
     assert scheduler.close(timeout=10)
 
 
+def test_the_schedulers_log_probabilities_are_the_onnx_runtime_engines_prompt_and_generated_alike(cpu_engine_dir, engine_dir):
+    """`echo` with logprobs needs every prompt position's logits from a prefill into the slots:
+    the same numbers as the ONNX Runtime engine's (lm-eval scores through them)."""
+    import threading
+
+    from components.runtime import open_engine
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    tokenizer, sampling = EngineTokenizer(engine_dir.path), Sampling(max_new_tokens=3, stop_at_eos=False, logprobs=2, prompt_logprobs=2)
+    scored = {}
+    for name, runtime in (("torch-cuda", open_engine(cpu_engine_dir)), ("onnxruntime", open_engine(engine_dir))):
+        done = threading.Semaphore(0)
+        scheduler = Scheduler(runtime, tokenizer, max_waiting=4)
+        rows = [Sequence(tokenizer.encode(text), sampling, lambda e: done.release() if isinstance(e, Finished) else None) for text in ("The list type is", "A")]
+        scheduler.submit(rows)
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+        assert scheduler.close(timeout=10)
+        scored[name] = [(seq.prompt_logprobs, seq.logprobs, seq.generated) for seq in rows]
+    for ours, theirs in zip(scored["torch-cuda"], scored["onnxruntime"], strict=True):
+        assert ours[2] == theirs[2] and ours[0][0] is None and theirs[0][0] is None
+        for a, b in zip([*ours[0][1:], *ours[1]], [*theirs[0][1:], *theirs[1]], strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def test_its_registry_tags_and_version_page_say_what_it_was_built_from_and_for(cpu_engine_dir, params, tiny_model):
     from components.gates import GateReport, GateResult
     from flows.lineage import version_description, version_tags

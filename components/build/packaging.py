@@ -9,6 +9,7 @@ from pathlib import Path
 
 from components.config import ProfileParams
 from components.engine_dir import (
+    CHAT_TEMPLATE,
     MANIFEST,
     TOKENIZER_FILES,
     DimRange,
@@ -21,12 +22,12 @@ from components.engine_dir import (
     write_manifest,
 )
 from components.files import file_sha256, stage_output
-from components.model_dir import eos_token_ids
+from components.model_dir import chat_template_of, eos_token_ids
 from components.precision import PrecisionOnnx
 
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "2"  # 2: torch-cuda programs without stack traces
+STAGE_VERSION = "3"  # 2: torch-cuda programs without stack traces; 3: the chat template
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ def package_engine(
         write_engine_file(staging / build.engine_file)
         for name in TOKENIZER_FILES:
             shutil.copyfile(tokenizer_dir / name, staging / name)
-        write_manifest(staging, _manifest(staging, build, graph, tokenizer_dir, lineage, profiles))
+        template_sha256 = write_chat_template(staging, tokenizer_dir)
+        write_manifest(staging, _manifest(staging, build, graph, tokenizer_dir, lineage, profiles).model_copy(update={"chat_template_sha256": template_sha256}))
 
     return load_engine_dir(stage_output(target, MANIFEST, fill))
 
@@ -118,3 +120,13 @@ def eos_id(tokenizer_dir: Path) -> int:
         return eos
     ids = eos_token_ids(tokenizer_dir)
     return ids[0] if ids else tokenizer.get_vocab_size() - 1
+
+
+def write_chat_template(staging: Path, model_dir: Path) -> str | None:
+    """Copy the model's chat template (if it has one) into an engine directory being made,
+    as the one file the server renders; its sha256 for engine.json."""
+    template = chat_template_of(model_dir)
+    if template is None:
+        return None
+    (staging / CHAT_TEMPLATE).write_text(template)
+    return file_sha256(staging / CHAT_TEMPLATE)

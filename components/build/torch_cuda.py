@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from components.build.packaging import BackendBuild, engine_folder, eos_id, profiles_from_params
+from components.build.packaging import BackendBuild, engine_folder, eos_id, profiles_from_params, write_chat_template
 from components.config import ProfileParams, section_digest
 from components.engine_dir import MANIFEST, TOKENIZER_FILES, EngineDir, EngineManifest, Lineage, ParityRecord, load_engine_dir, write_manifest
 from components.errors import BuildError
@@ -83,7 +83,8 @@ def torch_engine_from_model(
         torch.export.save(program, staging / ENGINE_FILE)
         for name in TOKENIZER_FILES:
             shutil.copyfile(model_dir / name, staging / name)
-        write_manifest(staging, _manifest(staging, build, hf, precision, model_dir, lineage, profiles, parity))
+        template_sha256 = write_chat_template(staging, model_dir)
+        write_manifest(staging, _manifest(staging, build, hf, precision, model_dir, lineage, profiles, parity).model_copy(update={"chat_template_sha256": template_sha256}))
 
     return load_engine_dir(stage_output(target, MANIFEST, fill))
 

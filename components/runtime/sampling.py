@@ -17,6 +17,13 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop_at_eos: bool = True
+    # OpenAI's `n`: choice i of a request draws from stream i of its seed (stream 0 is the
+    # seed's own, so a choice of n=1 and the first of n=3 sample alike).
+    seed_stream: int = 0
+    # Log probabilities reported per generated token: the chosen one's and this many
+    # alternatives (0: none); None: not asked, nothing computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (`echo`)
 
     def __post_init__(self) -> None:
         # Checked here, not at the first draw: in a batch, a sampling that fails mid-step
@@ -27,6 +34,12 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0 (numpy's generators take no negative seeds), not {self.seed}")
+
+    def generator(self) -> np.random.Generator:
+        """This sampling's random stream (see `seed_stream`); from the OS's entropy when unseeded."""
+        if self.seed is None or self.seed_stream == 0:
+            return np.random.default_rng(self.seed)
+        return np.random.default_rng([self.seed, self.seed_stream])
 
     @property
     def greedy(self) -> bool:

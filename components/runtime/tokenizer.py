@@ -25,6 +25,11 @@ class EngineTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (`<s>`), as logprobs name tokens; part
+        of a character split over tokens is U+FFFD."""
+        return self._tokenizer.decode([token], skip_special_tokens=False)
+
     def stream_decoder(self) -> Callable[[int], str | None]:
         """Text one token at a time, as `decode` would give it for the whole sequence:
         `tokenizers`' DecodeStream keeps the pending bytes of a character split over

@@ -107,14 +107,12 @@ class TorchCudaEngine(Engine):
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, every_position: bool = False) -> tuple[np.ndarray, SlotState]:
         """Left-padded prompts into the next free slots; the logits of each row's last token,
-        (batch, 1, vocab), and their state (join it to the running one: `state.joined`).
-        Every position's logits come from `score`, which holds no slot."""
+        (batch, 1, vocab), or of every position, and their state (join it to the running
+        one: `state.joined`)."""
         import torch
 
         from components.runtime.static_kv import causal_bias
 
-        if every_position:
-            raise EngineError("a torch-cuda prefill gives the last position's logits; `score` gives every position's")
         self._check_context(input_ids.shape)
         runner, (B, P), held = self.runner, input_ids.shape, self._held
         if held + B > runner.S:
@@ -126,7 +124,10 @@ class TorchCudaEngine(Engine):
         positions[held:] = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=runner.T)
         with torch.no_grad():
             bias = causal_bias(positions, runner.key_range[:P], runner.dtype)
-            last = torch.full((held + B, 1), P - 1, dtype=torch.long, device=self.device)
+            if every_position:
+                last = torch.arange(P, device=self.device).expand(held + B, P)
+            else:
+                last = torch.full((held + B, 1), P - 1, dtype=torch.long, device=self.device)
             logits = runner.model(ids, positions, bias, last, runner.k_cache, runner.v_cache)[held:]
         self._held = held + B
         return logits.float().cpu().numpy(), SlotState(self, list(range(held, held + B)), attention_mask.sum(axis=1).astype(np.int64))
