@@ -3,6 +3,7 @@ random weights and saved locally (no downloads), with tokenizers of each kind.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -43,9 +44,11 @@ def sentencepiece_style_tokenizer(texts: list[str], vocab_size: int = 640):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>")
 
 
-def random_model_dir(family: str, tokenizer, directory: Path, extra_eos: tuple[int, ...] = (), seed: int = 0, **overrides) -> Path:
+def random_model_dir(family: str, tokenizer, directory: Path, extra_eos: tuple[int, ...] = (), seed: int = 0, chat_template: str | None = None, **overrides) -> Path:
     """A model directory of `family`, sized to `tokenizer`, with random weights. `extra_eos`:
-    more ids that end generation (generation_config.json lists them as Llama 3's does)."""
+    more ids that end generation (generation_config.json lists them as Llama 3's does).
+    `chat_template`: saved in chat_template.jinja for llama (as transformers 5 saves one),
+    in tokenizer_config.json for the others (as older models ship it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -61,4 +64,9 @@ def random_model_dir(family: str, tokenizer, directory: Path, extra_eos: tuple[i
         model.generation_config.eos_token_id = [eos, *extra_eos]
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
+    if chat_template is not None and family == "llama":
+        (directory / "chat_template.jinja").write_text(chat_template)
+    elif chat_template is not None:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": chat_template}))
     return directory

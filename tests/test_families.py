@@ -28,6 +28,15 @@ from .test_cli import kiln, write_params
 
 BUILT = ("llama", "qwen2", "mistral")
 PROMPT = "The list type"
+# The llama's in chat_template.jinja (as transformers 5 saves one), the qwen2's in
+# tokenizer_config.json (as older models ship it); the mistral has none.
+CHAT_TEMPLATES = {
+    "llama": (
+        "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] | trim + eos_token + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    ),
+    "qwen2": "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+}
 
 
 # ---------------------------------------------------------------- what config.json says
@@ -106,6 +115,24 @@ def test_a_corrupt_config_is_a_train_error_naming_the_directory(tmp_path):
 # ---------------------------------------------------------------- tokenizers
 
 
+@pytest.mark.parametrize(
+    ("files", "found"),
+    [
+        ({"tokenizer_config.json": {"chat_template": "T"}}, "T"),
+        ({"tokenizer_config.json": {"chat_template": [{"name": "tool_use", "template": "U"}, {"name": "default", "template": "T"}]}}, "T"),
+        ({"tokenizer_config.json": {"chat_template": "old"}, "chat_template.jinja": "T"}, "T"),
+        ({"tokenizer_config.json": {"eos_token": "</s>"}}, None),
+    ],
+    ids=["tokenizer-config", "named-templates", "jinja-file-first", "none"],
+)
+def test_a_models_chat_template_is_found_where_transformers_finds_it(tmp_path, files, found):
+    from components.model_dir import chat_template_of
+
+    for name, content in files.items():
+        (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    assert chat_template_of(tmp_path) == found
+
+
 @pytest.fixture(scope="module")
 def llama_tokenizer(data_version):
     return sentencepiece_style_tokenizer(data_version.texts("train"))
@@ -152,7 +179,7 @@ def families(tmp_path_factory, llama_tokenizer, tiny_model):
     for family in BUILT:
         tokenizer = llama_tokenizer if family == "llama" else byte_level
         extra_eos = (tokenizer.convert_tokens_to_ids("<0x0A>"),) if family == "llama" else ()  # a second EOS, as Llama 3 has
-        random = random_model_dir(family, tokenizer, root / "random" / family, extra_eos=extra_eos)
+        random = random_model_dir(family, tokenizer, root / "random" / family, extra_eos=extra_eos, chat_template=CHAT_TEMPLATES.get(family))
         training = base.model.training.model_copy(update={"steps": 600})
         model = model_from_data(data, ModelParams(pretrained=str(random), training=training), root / "fine-tuned" / family)
         params = base.model_copy(update={"registry": RegistryParams(tracking_uri=base.registry.tracking_uri, model_name=f"kiln-{family}")})
@@ -196,6 +223,7 @@ def test_kiln_build_gates_and_registers_int8_and_fp16_engines_of_each_family(fam
     for precision, tags in versions.items():
         assert tags["gates.passed"] == "true", (precision, tags)
         assert tags["model_family"] == family and tags["kv_heads"] == "2"
+        assert (tags["chat_template_sha256"] != "none") == (family in CHAT_TEMPLATES)
         assert int(tags["parameter_count"]) > 0
         assert f"Model: **{family}** · " in tags["page"] and "4 heads, 2 KV heads" in tags["page"]
         assert float(tags["gates.quality.top1_agreement"]) >= built.params.gates.quality.limits[precision].min_top1_agreement
@@ -255,8 +283,10 @@ def served_tokens(engine, tokenizer, prompt: list[int]) -> tuple[list[int], str]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", BUILT)
-def test_each_family_is_served_and_answers_the_openai_client_with_the_gated_engines_text(families, engines, family):
+def test_each_family_is_served_and_answers_the_openai_clients_completions_and_chats_with_the_gated_engines_text(families, engines, family):
+    import openai
     from openai import OpenAI
+    from transformers import AutoTokenizer
 
     from components.runtime import load_engine
     from registry import CHALLENGER, registry_target
@@ -269,14 +299,28 @@ def test_each_family_is_served_and_answers_the_openai_client_with_the_gated_engi
     built = families.built[family]
     source = AliasSource(registry_target(built.params.registry, families.root), CHALLENGER, families.root / "serving" / family)
     settings = ServerSettings(poll_interval_s=0, max_tokens=32, runtime=RuntimeOptions(max_waiting=8))
+    messages = [{"role": "system", "content": "Answer in Python terms."}, {"role": "user", "content": PROMPT}]
     with LiveServer(create_app(source, settings)) as live:
-        answer = OpenAI(base_url=f"{live.url}/v1", api_key="unused").completions.create(model=f"kiln-{family}", prompt=PROMPT, max_tokens=12, temperature=0)
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model=f"kiln-{family}", prompt=PROMPT, max_tokens=12, temperature=0)
+        if family in CHAT_TEMPLATES:
+            chat = client.chat.completions.create(model=f"kiln-{family}", messages=messages, max_tokens=12, temperature=0)
+            streamed = list(client.chat.completions.create(model=f"kiln-{family}", messages=messages, max_tokens=12, temperature=0, stream=True))
+        else:
+            with pytest.raises(openai.BadRequestError, match="has no chat template"):
+                client.chat.completions.create(model=f"kiln-{family}", messages=messages)
     served = source.pull(source.resolve())
     tokenizer = EngineTokenizer(served.engine_dir.path)
     with load_engine(served.engine_dir.path) as engine:
         expected = tokenizer.decode(engine.generate([tokenizer.encode_prompt(PROMPT)], Sampling(max_new_tokens=12))[0])
+        if family in CHAT_TEMPLATES:  # the prompt as transformers renders and tokenizes the conversation
+            rendered = AutoTokenizer.from_pretrained(str(built.model.path)).apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            expected_chat = tokenizer.decode(engine.generate([list(rendered)], Sampling(max_new_tokens=12))[0])
     assert answer.choices[0].text == expected and expected
     assert answer.usage.prompt_tokens == len(tokenizer.encode_prompt(PROMPT))  # with Llama's BOS
+    if family in CHAT_TEMPLATES:
+        assert chat.choices[0].message.content == expected_chat and chat.usage.prompt_tokens == len(rendered)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected_chat
 
 
 # ---------------------------------------------------------------- precision: what stays float
