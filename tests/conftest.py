@@ -106,7 +106,7 @@ def write_corpus(directory: Path) -> None:
 # `make test` hands whole files to two workers in collection order (--dist loadfile,
 # --no-loadscope-reorder): the files that run servers and whole pipelines go first, so that
 # no long file starts last while the other worker sits idle.
-LONGEST_FIRST = ("test_cli.py", "test_triggers.py", "test_families.py", "test_pool.py", "test_serving.py", "test_ui.py", "test_flow.py", "test_faults.py", "test_promotion.py")
+LONGEST_FIRST = ("test_cli.py", "test_triggers.py", "test_families.py", "test_pool.py", "test_serving.py", "test_lm_eval.py", "test_ui.py", "test_flow.py", "test_faults.py", "test_promotion.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
