@@ -234,20 +234,40 @@ def test_a_runner_stops_a_sequence_at_the_first_of_several_stop_tokens(hf: GPT2L
 
 
 # The fused step (3 kernels a layer: default tiles, then several CTAs per head's O-proj
-# slice and per MLP block), and the five-kernel step it replaces.
-LLAMA_STEP_VARIANTS = {"fused": {}, "fused-small-tiles": {"ATTN_O_BLOCK_N": 16, "MLP_TILE": 1024}, "five-kernel": {"FUSED": False}}
+# slice and per MLP block; attention over the cache in several passes with keys and values
+# cast late, the hidden size as two tiles, lm_head and finish in one kernel of 16 blocks),
+# and the five-kernel step it replaces.
+LLAMA_STEP_VARIANTS = {
+    "fused": {},
+    "fused-small-tiles": {"ATTN_O_BLOCK_N": 16, "MLP_TILE": 1024},
+    "fused-attn-passes-split-k-head": {
+        "ATTN_O_BLOCK_T": 16, "ATTN_O_LATE_CAST": True, "MLP_SPLIT_K": True, "MLP_TILE": 1024, "HEAD_FUSED": True, "HEAD": (64, None, 2),
+    },
+    "five-kernel": {"FUSED": False},
+}
 
 
 @pytest.mark.parametrize("variant", list(LLAMA_STEP_VARIANTS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_triton_llama_step_matches_decode_step(family: str, variant: str) -> None:
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    hf = _llama(family, tie_word_embeddings=family == "llama", rope_scaling=llama3 if family == "llama" else None)
+    assert_triton_llama_step_agrees(hf, LLAMA_STEP_VARIANTS[variant])
+
+
+def test_triton_llama_step_with_a_hidden_size_of_two_tiles_matches_decode_step() -> None:
+    # 96 = 64 + 32 columns: the MLP's and lm_head's split tiles both hold real columns.
+    hf = _llama("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
+    assert_triton_llama_step_agrees(hf, {"MLP_SPLIT_K": True, "MLP_TILE": 1024, "HEAD_FUSED": True})
+
+
+def assert_triton_llama_step_agrees(hf, attributes: dict) -> None:
     td = _triton_interpreter()
     from components.runtime.static_kv import DecodeStep, StaticKVLlama
 
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    model = StaticKVLlama.from_hf(_llama(family, tie_word_embeddings=family == "llama", rope_scaling=llama3 if family == "llama" else None))
+    model = StaticKVLlama.from_hf(hf)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     ref, fast = DecodeStep(model, 64), td.triton_decode_step(params, model.shape, 64)
-    for k, v in LLAMA_STEP_VARIANTS[variant].items():
+    for k, v in attributes.items():
         setattr(fast, k, v)
     assert_steps_agree(model, ref, fast)

@@ -6,7 +6,7 @@ One engine; each variant sets its attributes on the engine's Triton step and kee
 CUDA graphs (captured with its kernels), so variants are timed interleaved. Writes
 fused_ab.json and best_tiles.json (the fastest fused variant's attributes).
 
-    python3 -m benchmarks.gpu_static_kv.fused_ab --out DIR [--runs 15]
+    python3 -m benchmarks.gpu_static_kv.fused_ab --out DIR [--runs 15] [--set run11]
 """
 
 from __future__ import annotations
@@ -24,30 +24,55 @@ from benchmarks.generation_cuda import torch_cuda_engine
 from components.runtime import load_engine
 from components.runtime.sampling import Sampling
 
-VARIANTS = {
-    "five-kernel": {"FUSED": False},
-    "fused": {},
-    "fused-attn-o-32": {"ATTN_O_BLOCK_N": 32},
-    "fused-mlp-4096": {"MLP_TILE": 4096},
-    "fused-mlp-8192-w8": {"MLP_WARPS": 8},
-    "fused-mlp-16384-w8": {"MLP_TILE": 16384, "MLP_WARPS": 8},
+LATE_SPLIT = {"ATTN_O_LATE_CAST": True, "MLP_SPLIT_K": True}
+LATE_SPLIT_HEAD = LATE_SPLIT | {"HEAD_FUSED": True}
+# Each set's first variant is the reference whose tokens the others must equal; attributes
+# a variant leaves out keep the class defaults.
+VARIANT_SETS = {
+    "run10": {
+        "five-kernel": {"FUSED": False},
+        "fused": {},
+        "fused-attn-o-32": {"ATTN_O_BLOCK_N": 32},
+        "fused-mlp-4096": {"MLP_TILE": 4096},
+        "fused-mlp-8192-w8": {"MLP_WARPS": 8},
+        "fused-mlp-16384-w8": {"MLP_TILE": 16384, "MLP_WARPS": 8},
+    },
+    "run11": {
+        "five-kernel": {"FUSED": False},
+        "fused": {},
+        "late-split": LATE_SPLIT,
+        "late-split-head": LATE_SPLIT_HEAD,
+        "late-split-head-32-w4": LATE_SPLIT_HEAD | {"HEAD": (32, None, 4)},
+        "late-split-head-8-w1": LATE_SPLIT_HEAD | {"HEAD": (8, None, 1)},
+        "attn-o-256-w8": LATE_SPLIT_HEAD | {"ATTN_O_BLOCK_N": 256, "ATTN_O_WARPS": 8},
+        "mlp-w4": LATE_SPLIT_HEAD | {"MLP_WARPS": 4},
+        "mlp-8u-w4": LATE_SPLIT_HEAD | {"MLP_TILE": 8192, "MLP_WARPS": 4},
+        "mlp-w16": LATE_SPLIT_HEAD | {"MLP_WARPS": 16},
+    },
 }
-KEYS = ("FUSED", "ATTN_O_BLOCK_N", "ATTN_O_WARPS", "MLP_TILE", "MLP_WARPS")
+
+
+def bench_engine(work: Path) -> tuple[object, list[list[int]], Sampling, BenchSetup]:
+    """The smollm2-135m fp16 engine of `kiln bench --device cuda`, its prompts and sampling."""
+    setup = BenchSetup()
+    shape = "smollm2-135m"
+    model_dir = benchmark_model_dir(work / shape / "model", SMOLLM2_135M, setup.seed)
+    engine_path = torch_cuda_engine(model_dir, work / shape / "engines", 16, setup)
+    prompts = random_prompts(16, setup.prompt_tokens, SMOLLM2_135M["vocab_size"], setup.seed)
+    sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
+    return load_engine(engine_path), prompts, sampling, setup
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--set", choices=list(VARIANT_SETS), default="run11")
     parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-bench"))
     args = parser.parse_args()
-    setup = BenchSetup()
-    shape = "smollm2-135m"
-    model_dir = benchmark_model_dir(args.work / shape / "model", SMOLLM2_135M, setup.seed)
-    engine_path = torch_cuda_engine(model_dir, args.work / shape / "engines", 16, setup)
-    prompts = random_prompts(16, setup.prompt_tokens, SMOLLM2_135M["vocab_size"], setup.seed)
-    sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
-    engine = load_engine(engine_path)
+    VARIANTS = VARIANT_SETS[args.set]
+    KEYS = sorted({k for v in VARIANTS.values() for k in v})
+    engine, prompts, sampling, setup = bench_engine(args.work)
     runner, step = engine.runner, engine.runner.fast_step
     defaults = {k: getattr(type(step), k) for k in KEYS}
     graphs: dict[str, dict] = {}
@@ -75,9 +100,10 @@ def main() -> None:
             times[name].append((time.perf_counter() - started) * 1000)
             if out != tokens[name]:
                 print(f"{name}: greedy tokens changed between runs (first at {next(i for i, (a, b) in enumerate(zip(out[0], tokens[name][0])) if a != b)})")
-    reference = tokens["five-kernel"][0]
+    ref_name = next(iter(VARIANTS))
+    reference = tokens[ref_name][0]
     median = {name: statistics.median(t) for name, t in times.items()}
-    best = min((n for n in VARIANTS if n != "five-kernel"), key=median.get)
+    best = min((n for n in VARIANTS if n != ref_name and first_divergence(tokens[n][0], reference) is None), key=median.get, default=ref_name)
     result = {
         "runs": args.runs,
         "variants": VARIANTS,
@@ -85,20 +111,23 @@ def main() -> None:
         "median_ms": median,
         "min_ms": {name: min(t) for name, t in times.items()},
         "ms_per_token": {name: m / setup.new_tokens for name, m in median.items()},
-        "first_divergence_from_five_kernel": {
-            name: next((i for i, (a, b) in enumerate(zip(out[0], reference)) if a != b), None) for name, out in tokens.items()
-        },
+        "reference": ref_name,
+        "first_divergence_from_reference": {name: first_divergence(out[0], reference) for name, out in tokens.items()},
         "best_fused": best,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
     }
     for name in VARIANTS:
         print(f"{name:22s} median {median[name]:7.2f} ms  min {result['min_ms'][name]:7.2f} ms  {median[name] / setup.new_tokens:.4f} ms/token  "
-              f"first divergence {result['first_divergence_from_five_kernel'][name]}")
+              f"first divergence {result['first_divergence_from_reference'][name]}")
     print(json.dumps(result, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fused_ab.json").write_text(json.dumps(result, indent=2))
     (args.out / "best_tiles.json").write_text(json.dumps({k: v for k, v in VARIANTS[best].items()}))
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/bin/bash
-# Run 10 (the fused Llama Triton step), on the device machine from the repo root, with .whl
-# carried: bash benchmarks/gpu_static_kv/run10.sh [ab] [bench] [tests]
-#   ab:    fused_ab.py: the fused step (3 kernels a layer) vs the five-kernel one, and tiles,
-#          on the smollm2-135m bench engine; writes best_tiles.json
+# Runs 10 and 11 (the fused Llama Triton step), on the device machine from the repo root, with
+# .whl carried: bash benchmarks/gpu_static_kv/run_fused.sh [profile] [ab] [bench] [tests]
+#   profile: step_profile.py: the step's kernel time, gaps and launch floor (best_tiles.json's
+#          attributes set, as bench)
+#   ab:    fused_ab.py --set $AB_SET (run11): variants of the fused step (3 kernels a layer)
+#          vs the five-kernel one, on the smollm2-135m bench engine; writes best_tiles.json
 #   bench: kiln bench --device cuda --shape smollm2-135m, with best_tiles.json's attributes
 #          set on TritonLlamaDecodeStep (none: the defaults)
 #   tests: as run9.sh's tests step (GPU tests of test_torch_cuda.py, test_static_kv_prototype.py)
@@ -21,8 +23,11 @@ fi
 cat "$OUT/env.txt"
 for step in "$@"; do
   case "$step" in
+    profile)
+      [ -f "$OUT/best_tiles.json" ] || echo '{}' > "$OUT/best_tiles.json"
+      timeout "${PROFILE_TIMEOUT:-150}" python3 -m benchmarks.gpu_static_kv.step_profile --out "$OUT" --tiles "$OUT/best_tiles.json" 2>&1 | grep -v "^DEBUG" | tee "$OUT/step_profile.log" ;;
     ab)
-      timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.gpu_static_kv.fused_ab --out "$OUT" --runs "${AB_RUNS:-15}" 2>&1 | grep -v "^DEBUG" | tee "$OUT/fused_ab.log" ;;
+      timeout "${AB_TIMEOUT:-200}" python3 -m benchmarks.gpu_static_kv.fused_ab --out "$OUT" --set "${AB_SET:-run11}" --runs "${AB_RUNS:-15}" 2>&1 | grep -v "^DEBUG" | tee "$OUT/fused_ab.log" ;;
     bench)
       [ -f "$OUT/best_tiles.json" ] || echo '{}' > "$OUT/best_tiles.json"
       timeout "${BENCH_TIMEOUT:-300}" python3 -c '

@@ -214,10 +214,16 @@ def _finish_kernel(pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, M
     """Argmax over the lm_head blocks, then advance the row's decode state."""
     b = tl.program_id(0)
     _after_previous_kernel(USE_PDL)
+    _finish_row(b, pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2)
+
+
+@triton.jit
+def _finish_row(b, pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2: tl.constexpr):
+    # The block maxima bypass L1 (.cg): other CTAs of the same kernel may have written them.
     offs = tl.arange(0, NB_POW2)
-    v = tl.load(pval_ptr + b * NB + offs, mask=offs < NB, other=float("-inf"))
+    v = tl.load(pval_ptr + b * NB + offs, mask=offs < NB, other=float("-inf"), cache_modifier=".cg")
     best = tl.argmax(v, axis=0)  # lowest block wins a tie, and blocks hold ascending ids
-    nxt = tl.load(pidx_ptr + b * NB + best)
+    nxt = tl.load(pidx_ptr + b * NB + best, cache_modifier=".cg")
     act = tl.load(act_ptr + b) != 0
     tl.store(nxt_ptr + b, nxt)
     tl.store(tok_ptr + b, tl.where(act, nxt, tl.load(tok_ptr + b)))
@@ -523,12 +529,13 @@ def _fused_qkv_kernel(
 def _attn_oproj_kernel(
     q_ptr, kc_ptr, vc_ptr, pos_ptr, wo_ptr, bo_ptr, x_ptr, out_ptr, zero_ptr, scale, stride_s, stride_h, stride_t,
     n_keys: tl.constexpr, H: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, E: tl.constexpr, E_POW2: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, LATE_CAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid (cdiv(E, BLOCK_N), H, B): query head h's attention (as _decode_attn_kernel with
     EARLY_KV, recomputed by each of the head's CTAs: its keys are L2-resident), then
     out[b, n] += w_o[n, h*D:(h+1)*D] . o_h for the CTA's BLOCK_N outputs n; head 0's CTAs add
-    the residual x (and the bias). CTA (0, 0) clears zero_ptr's row."""
+    the residual x (and the bias). CTA (0, 0) clears zero_ptr's row. LATE_CAST: the keys and
+    values loaded before the wait stay in the cache's dtype until used (half the registers)."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -541,31 +548,34 @@ def _attn_oproj_kernel(
     kv_off = base + offs_t[:, None] * stride_t + offs_d[None, :]
     pos = tl.load(pos_ptr + b)
     early = (offs_t < pos) & (offs_t < n_keys)
-    k = tl.load(kc_ptr + kv_off, mask=early[:, None], other=0.0).to(tl.float32)
-    v = tl.load(vc_ptr + kv_off, mask=early[:, None], other=0.0).to(tl.float32)
+    k = tl.load(kc_ptr + kv_off, mask=early[:, None], other=0.0)
+    v = tl.load(vc_ptr + kv_off, mask=early[:, None], other=0.0)
+    if not LATE_CAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     _after_previous_kernel(USE_PDL)
     at_pos = (offs_t == pos)[:, None]
-    k = tl.where(at_pos, tl.load(kc_ptr + base + pos * stride_t + offs_d).to(tl.float32)[None, :], k)
-    v = tl.where(at_pos, tl.load(vc_ptr + base + pos * stride_t + offs_d).to(tl.float32)[None, :], v)
+    k = tl.where(at_pos, tl.load(kc_ptr + base + pos * stride_t + offs_d).to(k.dtype)[None, :], k)
+    v = tl.where(at_pos, tl.load(vc_ptr + base + pos * stride_t + offs_d).to(v.dtype)[None, :], v)
     q = tl.load(q_ptr + b * H * D + h * D + offs_d) * scale
     mt = (offs_t <= pos) & (offs_t < n_keys)
-    s = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+    s = tl.where(mt, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
     m_i = tl.max(s, axis=0)
     p = tl.exp(s - m_i)
     l_i = tl.sum(p, axis=0)
-    acc = tl.sum(p[:, None] * v, axis=0)
+    acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0)
     for t0 in range(BLOCK_T, n_keys, BLOCK_T):
         t = t0 + offs_t
         mt = (t <= pos) & (t < n_keys)
         kv_off = base + t[:, None] * stride_t + offs_d[None, :]
-        k = tl.load(kc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
-        s = tl.where(mt, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        kt = tl.load(kc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+        s = tl.where(mt, tl.sum(kt * q[None, :], axis=1), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
-        v = tl.load(vc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
+        vt = tl.load(vc_ptr + kv_off, mask=mt[:, None], other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         m_i = m_new
     o = acc / l_i
     part = tl.sum(wo.to(tl.float32) * o[None, :], axis=1)
@@ -579,37 +589,118 @@ def _attn_oproj_kernel(
 
 
 @triton.jit
-def _mlp_kernel(
-    x_ptr, nw_ptr, wgu_ptr, wd_ptr, out_ptr, I, eps,
-    K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_J: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Grid (cdiv(I, BLOCK_J), B): h_j = silu(gate_j . n) * (up_j . n) for the CTA's BLOCK_J
-    intermediate units j (n: x after RMSNorm2), then out[b, :] += w_down[:, j-block] @ h; the
-    CTA of block 0 adds the residual x. w_gate_up (2I, K) rows, w_down (K, I) rows: the
-    down tile is BLOCK_J contiguous columns of each row (BLOCK_J * 2 bytes: a 32-byte sector
-    at 16 fp16 columns)."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_j = pid * BLOCK_J + tl.arange(0, BLOCK_J)
-    mask_j = offs_j < I
-    offs_k = tl.arange(0, K_POW2)
-    mask_k = offs_k < K
+def _mlp_tiles(wgu_ptr, wd_ptr, nw_ptr, offs_j, mask_j, offs_k, mask_k, I, K: tl.constexpr):
+    """The gate, up and down weight tiles of intermediate units offs_j over columns offs_k,
+    and those columns of the RMSNorm weight."""
     gmask = mask_j[:, None] & mask_k[None, :]
     rows = offs_j[:, None] * K + offs_k[None, :]
     wg = tl.load(wgu_ptr + rows, mask=gmask, other=0.0)
     wu = tl.load(wgu_ptr + I * K + rows, mask=gmask, other=0.0)
     wd = tl.load(wd_ptr + offs_k[:, None] * I + offs_j[None, :], mask=mask_k[:, None] & mask_j[None, :], other=0.0)
     nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    return wg, wu, wd, nw
+
+
+@triton.jit
+def _mlp_kernel(
+    x_ptr, nw_ptr, wgu_ptr, wd_ptr, out_ptr, I, eps,
+    K: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, BLOCK_J: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Grid (cdiv(I, BLOCK_J), B): h_j = silu(gate_j . n) * (up_j . n) for the CTA's BLOCK_J
+    intermediate units j (n: x after RMSNorm2), then out[b, :] += w_down[:, j-block] @ h; the
+    CTA of block 0 adds the residual x. w_gate_up (2I, K) rows, w_down (K, I) rows: the
+    down tile is BLOCK_J contiguous columns of each row (BLOCK_J * 2 bytes: a 32-byte sector
+    at 16 fp16 columns).
+
+    The K columns are two tiles of powers of two, [0, K_A) and [K_A, K_A + K_B) (K_B 0: one
+    tile), so a hidden size such as 576 = 512 + 64 needs no padding to 1024: padded lanes
+    hold registers, and registers decide which CTAs fit beside the previous kernel's."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_j = pid * BLOCK_J + tl.arange(0, BLOCK_J)
+    mask_j = offs_j < I
+    offs_a = tl.arange(0, K_A)
+    mask_a = offs_a < K
+    wg_a, wu_a, wd_a, nw_a = _mlp_tiles(wgu_ptr, wd_ptr, nw_ptr, offs_j, mask_j, offs_a, mask_a, I, K)
+    if K_B > 0:
+        offs_b = K_A + tl.arange(0, K_B)
+        mask_b = offs_b < K
+        wg_b, wu_b, wd_b, nw_b = _mlp_tiles(wgu_ptr, wd_ptr, nw_ptr, offs_j, mask_j, offs_b, mask_b, I, K)
     _after_previous_kernel(USE_PDL)
-    x = tl.load(x_ptr + b * K + offs_k, mask=mask_k, other=0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-    xn = x * rstd * nw
-    g = tl.sum(wg.to(tl.float32) * xn[None, :], axis=1)
-    u = tl.sum(wu.to(tl.float32) * xn[None, :], axis=1)
+    x_a = tl.load(x_ptr + b * K + offs_a, mask=mask_a, other=0.0)
+    ss = tl.sum(x_a * x_a, axis=0)
+    if K_B > 0:
+        x_b = tl.load(x_ptr + b * K + offs_b, mask=mask_b, other=0.0)
+        ss += tl.sum(x_b * x_b, axis=0)
+    rstd = 1.0 / tl.sqrt(ss / K + eps)
+    xn_a = x_a * rstd * nw_a
+    g = tl.sum(wg_a.to(tl.float32) * xn_a[None, :], axis=1)
+    u = tl.sum(wu_a.to(tl.float32) * xn_a[None, :], axis=1)
+    if K_B > 0:
+        xn_b = x_b * rstd * nw_b
+        g += tl.sum(wg_b.to(tl.float32) * xn_b[None, :], axis=1)
+        u += tl.sum(wu_b.to(tl.float32) * xn_b[None, :], axis=1)
     hid = g * tl.sigmoid(g) * u
-    part = tl.sum(wd.to(tl.float32) * hid[None, :], axis=1)
-    part += tl.where(pid == 0, x, 0.0)
-    tl.atomic_add(out_ptr + b * K + offs_k, part, mask=mask_k, sem="relaxed")
+    part_a = tl.sum(wd_a.to(tl.float32) * hid[None, :], axis=1) + tl.where(pid == 0, x_a, 0.0)
+    tl.atomic_add(out_ptr + b * K + offs_a, part_a, mask=mask_a, sem="relaxed")
+    if K_B > 0:
+        part_b = tl.sum(wd_b.to(tl.float32) * hid[None, :], axis=1) + tl.where(pid == 0, x_b, 0.0)
+        tl.atomic_add(out_ptr + b * K + offs_b, part_b, mask=mask_b, sem="relaxed")
+
+
+def _split_pow2(k: int) -> tuple[int, int]:
+    """Two power-of-two tiles covering k columns with the least padding: (k, 0) for a power
+    of two, else the largest power of two below k and the rest rounded up."""
+    if k & (k - 1) == 0:
+        return k, 0
+    a = 1 << (k.bit_length() - 1)
+    return a, _pow2(k - a)
+
+
+@triton.jit
+def _head_tile(w_ptr, nw_ptr, offs_n, mask_n, offs_k, mask_k, K: tl.constexpr):
+    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    return w, tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fused_head_kernel(
+    x_ptr, nw_ptr, w_ptr, pval_ptr, pidx_ptr, cnt_ptr, tok_ptr, pos_ptr, act_ptr, nxt_ptr, N, NB, MAX_POS, eps,
+    K: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, BLOCK_N: tl.constexpr, NB_POW2: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Grid (NB, B): RMSNorm_f + lm_head + per-block argmax (as _rms_gemv_kernel's MODE 2, over
+    the two column tiles of _mlp_kernel), and the finish in the same kernel: the row's last
+    CTA to count itself done (cnt_ptr, which that CTA clears again) does _finish_kernel's work,
+    which saves a launch per step."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_a = tl.arange(0, K_A)
+    mask_a = offs_a < K
+    w_a, nw_a = _head_tile(w_ptr, nw_ptr, offs_n, mask_n, offs_a, mask_a, K)
+    if K_B > 0:
+        offs_b = K_A + tl.arange(0, K_B)
+        mask_b = offs_b < K
+        w_b, nw_b = _head_tile(w_ptr, nw_ptr, offs_n, mask_n, offs_b, mask_b, K)
+    _after_previous_kernel(USE_PDL)
+    x_a = tl.load(x_ptr + b * K + offs_a, mask=mask_a, other=0.0)
+    ss = tl.sum(x_a * x_a, axis=0)
+    if K_B > 0:
+        x_b = tl.load(x_ptr + b * K + offs_b, mask=mask_b, other=0.0)
+        ss += tl.sum(x_b * x_b, axis=0)
+    rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.sum(w_a.to(tl.float32) * (x_a * rstd * nw_a)[None, :], axis=1)
+    if K_B > 0:
+        acc += tl.sum(w_b.to(tl.float32) * (x_b * rstd * nw_b)[None, :], axis=1)
+    vals = tl.where(mask_n, acc, float("-inf"))
+    tl.store(pval_ptr + b * NB + pid_n, tl.max(vals, axis=0))
+    tl.store(pidx_ptr + b * NB + pid_n, (pid_n * BLOCK_N + tl.argmax(vals, axis=0)).to(tl.int64))
+    # Every thread's stores before the count (acq_rel: the last CTA then sees all blocks').
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == NB - 1:
+        _finish_row(b, pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2)
+        tl.store(cnt_ptr + b, 0)
 
 
 class TritonLlamaDecodeStep:
@@ -638,6 +729,12 @@ class TritonLlamaDecodeStep:
     # CTAs mean fewer atomic adds into the residual.
     ATTN_O_BLOCK_N, ATTN_O_WARPS = 64, 4
     MLP_TILE, MLP_WARPS = 16384, 8
+    # Attention + O-proj: cache positions per pass, and keys/values kept in the cache dtype
+    # until used; MLP: the hidden size as two power-of-two tiles instead of one padded tile.
+    ATTN_O_BLOCK_T, ATTN_O_LATE_CAST = 256, False
+    MLP_SPLIT_K = False
+    # lm_head, its argmax and the finish in one kernel (_fused_head_kernel) instead of two.
+    HEAD_FUSED = False
 
     def __init__(self, params: Mapping[str, Tensor], shape: LlamaShape, max_context: int, pdl: bool | None = None) -> None:
         self.s = shape
@@ -652,6 +749,10 @@ class TritonLlamaDecodeStep:
         self.cos = (freqs.cos() * shape.rope_scaling).to(dtype).float().contiguous()
         self.sin = (freqs.sin() * shape.rope_scaling).to(dtype).float().contiguous()
         self.scale = 1.0 / math.sqrt(shape.head_dim)
+        # _fused_head_kernel's per-row counters: zero between steps (the kernel clears them),
+        # so they live outside any CUDA graph's memory pool.
+        self.counters = torch.zeros(0, dtype=torch.int32, device=params["embed"].device)
+        self._old_counters: list[Tensor] = []
 
     def _gemv(self, x, w, blocks, N, K, out, *, norm=None, bias=None, res=None, mode=0, qkv=None, argmax=None) -> None:
         s = self.s
@@ -722,6 +823,7 @@ class TritonLlamaDecodeStep:
         pairs = (H + 2 * KVH) * D // 2
         qkv_n, _, qkv_warps = (*self.QKV, self.GEMV_WARPS)[:3]
         block_j = max(1, min(self.MLP_TILE // E_POW2, _pow2(I)))
+        k_a, k_b = _split_pow2(E) if self.MLP_SPLIT_K else (E_POW2, 0)
         pdl = {"USE_PDL": self.pdl, "launch_pdl": self.pdl}
         for layer in range(s.num_layers):
             kc, vc = k_cache[layer], v_cache[layer]
@@ -739,16 +841,33 @@ class TritonLlamaDecodeStep:
             _attn_oproj_kernel[(triton.cdiv(E, self.ATTN_O_BLOCK_N), H, B)](
                 q, kc, vc, positions, p["w_o"][layer], b_o, xa, xb, xc, self.scale, st[0], st[1], st[2],
                 n_keys=n_keys, H=H, D=D, GROUP=s.group, E=E, E_POW2=E_POW2, HAS_BIAS=p["b_o"] is not None,
-                BLOCK_T=min(self.ATTN_BLOCK_T, _pow2(n_keys)), BLOCK_N=self.ATTN_O_BLOCK_N, num_warps=self.ATTN_O_WARPS, **pdl,
+                BLOCK_T=min(self.ATTN_O_BLOCK_T, _pow2(n_keys)), BLOCK_N=self.ATTN_O_BLOCK_N, LATE_CAST=self.ATTN_O_LATE_CAST,
+                num_warps=self.ATTN_O_WARPS, **pdl,
             )
             _mlp_kernel[(triton.cdiv(I, block_j), B)](
                 xb, p["ln2_w"][layer], p["w_gate_up"][layer], p["w_down"][layer], xc, I, s.eps,
-                K=E, K_POW2=E_POW2, BLOCK_J=block_j, num_warps=self.MLP_WARPS, **pdl,
+                K=E, K_A=k_a, K_B=k_b, BLOCK_J=block_j, num_warps=self.MLP_WARPS, **pdl,
             )
         x = xs[(2 - (s.num_layers - 1)) % 3]
+        if self.HEAD_FUSED:
+            k_a, k_b = _split_pow2(E)
+            _fused_head_kernel[(nb, B)](
+                x, p["lnf_w"], self.head, pval, pidx, self._counters(B), tokens, positions, active, nxt, V, nb, self.max_context, s.eps,
+                K=E, K_A=k_a, K_B=k_b, BLOCK_N=self.HEAD[0], NB_POW2=_pow2(nb), num_warps=(*self.HEAD, self.GEMV_WARPS)[2], **pdl,
+            )
+            return nxt
         self._gemv(x, self.head, self.HEAD, V, E, x, norm=p["lnf_w"], mode=2, argmax=(pval, pidx))
         _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb), USE_PDL=self.pdl, launch_pdl=self.pdl)
         return nxt
+
+    def _counters(self, rows: int) -> Tensor:
+        if self.counters.numel() < rows:
+            if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"TritonLlamaDecodeStep: first call with {rows} rows inside a CUDA graph capture; run it once outside first")
+            # The old buffer stays allocated: graphs captured earlier still use it.
+            self._old_counters.append(self.counters)
+            self.counters = torch.zeros(max(rows, 64), dtype=torch.int32, device=self.counters.device)
+        return self.counters
 
 
 def triton_decode_step(params: Mapping[str, Tensor], shape: StaticShape, max_context: int) -> TritonDecodeStep | TritonLlamaDecodeStep:
