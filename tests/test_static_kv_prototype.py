@@ -234,15 +234,12 @@ def test_a_runner_stops_a_sequence_at_the_first_of_several_stop_tokens(hf: GPT2L
 
 
 # The fused step (3 kernels a layer: default tiles, then several CTAs per head's O-proj
-# slice and per MLP block; attention over the cache in several passes with keys and values
-# cast late, the hidden size as two tiles, lm_head and finish in one kernel of 16 blocks),
-# and the five-kernel step it replaces.
+# slice and per MLP block; then attention over the cache in several passes and the
+# keys, values and hidden size as before run 11), and the five-kernel step it replaces.
 LLAMA_STEP_VARIANTS = {
     "fused": {},
     "fused-small-tiles": {"ATTN_O_BLOCK_N": 16, "MLP_TILE": 1024},
-    "fused-attn-passes-split-k-head": {
-        "ATTN_O_BLOCK_T": 16, "ATTN_O_LATE_CAST": True, "MLP_SPLIT_K": True, "MLP_TILE": 1024, "HEAD_FUSED": True, "HEAD": (64, None, 2),
-    },
+    "fused-attn-passes-unsplit": {"ATTN_O_BLOCK_T": 16, "ATTN_O_LATE_CAST": False, "MLP_SPLIT_K": False, "MLP_TILE": 1024},
     "five-kernel": {"FUSED": False},
 }
 
@@ -256,9 +253,9 @@ def test_triton_llama_step_matches_decode_step(family: str, variant: str) -> Non
 
 
 def test_triton_llama_step_with_a_hidden_size_of_two_tiles_matches_decode_step() -> None:
-    # 96 = 64 + 32 columns: the MLP's and lm_head's split tiles both hold real columns.
+    # 96 = 64 + 32 columns: the MLP's split tiles (the default) both hold real columns.
     hf = _llama("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
-    assert_triton_llama_step_agrees(hf, {"MLP_SPLIT_K": True, "MLP_TILE": 1024, "HEAD_FUSED": True})
+    assert_triton_llama_step_agrees(hf, {"MLP_TILE": 1024})
 
 
 def assert_triton_llama_step_agrees(hf, attributes: dict) -> None:

@@ -214,16 +214,10 @@ def _finish_kernel(pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, M
     """Argmax over the lm_head blocks, then advance the row's decode state."""
     b = tl.program_id(0)
     _after_previous_kernel(USE_PDL)
-    _finish_row(b, pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2)
-
-
-@triton.jit
-def _finish_row(b, pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2: tl.constexpr):
-    # The block maxima bypass L1 (.cg): other CTAs of the same kernel may have written them.
     offs = tl.arange(0, NB_POW2)
-    v = tl.load(pval_ptr + b * NB + offs, mask=offs < NB, other=float("-inf"), cache_modifier=".cg")
+    v = tl.load(pval_ptr + b * NB + offs, mask=offs < NB, other=float("-inf"))
     best = tl.argmax(v, axis=0)  # lowest block wins a tie, and blocks hold ascending ids
-    nxt = tl.load(pidx_ptr + b * NB + best, cache_modifier=".cg")
+    nxt = tl.load(pidx_ptr + b * NB + best)
     act = tl.load(act_ptr + b) != 0
     tl.store(nxt_ptr + b, nxt)
     tl.store(tok_ptr + b, tl.where(act, nxt, tl.load(tok_ptr + b)))
@@ -657,52 +651,6 @@ def _split_pow2(k: int) -> tuple[int, int]:
     return a, _pow2(k - a)
 
 
-@triton.jit
-def _head_tile(w_ptr, nw_ptr, offs_n, mask_n, offs_k, mask_k, K: tl.constexpr):
-    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    return w, tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _fused_head_kernel(
-    x_ptr, nw_ptr, w_ptr, pval_ptr, pidx_ptr, cnt_ptr, tok_ptr, pos_ptr, act_ptr, nxt_ptr, N, NB, MAX_POS, eps,
-    K: tl.constexpr, K_A: tl.constexpr, K_B: tl.constexpr, BLOCK_N: tl.constexpr, NB_POW2: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Grid (NB, B): RMSNorm_f + lm_head + per-block argmax (as _rms_gemv_kernel's MODE 2, over
-    the two column tiles of _mlp_kernel), and the finish in the same kernel: the row's last
-    CTA to count itself done (cnt_ptr, which that CTA clears again) does _finish_kernel's work,
-    which saves a launch per step."""
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_a = tl.arange(0, K_A)
-    mask_a = offs_a < K
-    w_a, nw_a = _head_tile(w_ptr, nw_ptr, offs_n, mask_n, offs_a, mask_a, K)
-    if K_B > 0:
-        offs_b = K_A + tl.arange(0, K_B)
-        mask_b = offs_b < K
-        w_b, nw_b = _head_tile(w_ptr, nw_ptr, offs_n, mask_n, offs_b, mask_b, K)
-    _after_previous_kernel(USE_PDL)
-    x_a = tl.load(x_ptr + b * K + offs_a, mask=mask_a, other=0.0)
-    ss = tl.sum(x_a * x_a, axis=0)
-    if K_B > 0:
-        x_b = tl.load(x_ptr + b * K + offs_b, mask=mask_b, other=0.0)
-        ss += tl.sum(x_b * x_b, axis=0)
-    rstd = 1.0 / tl.sqrt(ss / K + eps)
-    acc = tl.sum(w_a.to(tl.float32) * (x_a * rstd * nw_a)[None, :], axis=1)
-    if K_B > 0:
-        acc += tl.sum(w_b.to(tl.float32) * (x_b * rstd * nw_b)[None, :], axis=1)
-    vals = tl.where(mask_n, acc, float("-inf"))
-    tl.store(pval_ptr + b * NB + pid_n, tl.max(vals, axis=0))
-    tl.store(pidx_ptr + b * NB + pid_n, (pid_n * BLOCK_N + tl.argmax(vals, axis=0)).to(tl.int64))
-    # Every thread's stores before the count (acq_rel: the last CTA then sees all blocks').
-    tl.debug_barrier()
-    if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == NB - 1:
-        _finish_row(b, pval_ptr, pidx_ptr, NB, tok_ptr, pos_ptr, act_ptr, nxt_ptr, MAX_POS, NB_POW2)
-        tl.store(cnt_ptr + b, 0)
-
-
 class TritonLlamaDecodeStep:
     """Drop-in for DecodeStep(StaticKVLlama): (tokens, positions, active, key_range, k_cache,
     v_cache) -> next. Built from StaticKVLlama-named parameters and its `inv_freq` buffer (a
@@ -730,11 +678,10 @@ class TritonLlamaDecodeStep:
     ATTN_O_BLOCK_N, ATTN_O_WARPS = 64, 4
     MLP_TILE, MLP_WARPS = 16384, 8
     # Attention + O-proj: cache positions per pass, and keys/values kept in the cache dtype
-    # until used; MLP: the hidden size as two power-of-two tiles instead of one padded tile.
-    ATTN_O_BLOCK_T, ATTN_O_LATE_CAST = 256, False
-    MLP_SPLIT_K = False
-    # lm_head, its argmax and the finish in one kernel (_fused_head_kernel) instead of two.
-    HEAD_FUSED = False
+    # until used; MLP: the hidden size as two power-of-two tiles instead of one padded tile
+    # (both the faster on the H200: benchmarks/gpu_static_kv/results/run11).
+    ATTN_O_BLOCK_T, ATTN_O_LATE_CAST = 256, True
+    MLP_SPLIT_K = True
 
     def __init__(self, params: Mapping[str, Tensor], shape: LlamaShape, max_context: int, pdl: bool | None = None) -> None:
         self.s = shape
@@ -749,10 +696,6 @@ class TritonLlamaDecodeStep:
         self.cos = (freqs.cos() * shape.rope_scaling).to(dtype).float().contiguous()
         self.sin = (freqs.sin() * shape.rope_scaling).to(dtype).float().contiguous()
         self.scale = 1.0 / math.sqrt(shape.head_dim)
-        # _fused_head_kernel's per-row counters: zero between steps (the kernel clears them),
-        # so they live outside any CUDA graph's memory pool.
-        self.counters = torch.zeros(0, dtype=torch.int32, device=params["embed"].device)
-        self._old_counters: list[Tensor] = []
 
     def _gemv(self, x, w, blocks, N, K, out, *, norm=None, bias=None, res=None, mode=0, qkv=None, argmax=None) -> None:
         s = self.s
@@ -849,25 +792,9 @@ class TritonLlamaDecodeStep:
                 K=E, K_A=k_a, K_B=k_b, BLOCK_J=block_j, num_warps=self.MLP_WARPS, **pdl,
             )
         x = xs[(2 - (s.num_layers - 1)) % 3]
-        if self.HEAD_FUSED:
-            k_a, k_b = _split_pow2(E)
-            _fused_head_kernel[(nb, B)](
-                x, p["lnf_w"], self.head, pval, pidx, self._counters(B), tokens, positions, active, nxt, V, nb, self.max_context, s.eps,
-                K=E, K_A=k_a, K_B=k_b, BLOCK_N=self.HEAD[0], NB_POW2=_pow2(nb), num_warps=(*self.HEAD, self.GEMV_WARPS)[2], **pdl,
-            )
-            return nxt
         self._gemv(x, self.head, self.HEAD, V, E, x, norm=p["lnf_w"], mode=2, argmax=(pval, pidx))
         _finish_kernel[(B,)](pval, pidx, nb, tokens, positions, active, nxt, self.max_context, NB_POW2=_pow2(nb), USE_PDL=self.pdl, launch_pdl=self.pdl)
         return nxt
-
-    def _counters(self, rows: int) -> Tensor:
-        if self.counters.numel() < rows:
-            if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"TritonLlamaDecodeStep: first call with {rows} rows inside a CUDA graph capture; run it once outside first")
-            # The old buffer stays allocated: graphs captured earlier still use it.
-            self._old_counters.append(self.counters)
-            self.counters = torch.zeros(max(rows, 64), dtype=torch.int32, device=self.counters.device)
-        return self.counters
 
 
 def triton_decode_step(params: Mapping[str, Tensor], shape: StaticShape, max_context: int) -> TritonDecodeStep | TritonLlamaDecodeStep:
