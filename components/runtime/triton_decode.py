@@ -607,8 +607,8 @@ def _mlp_kernel(
     at 16 fp16 columns).
 
     The K columns are two tiles of powers of two, [0, K_A) and [K_A, K_A + K_B) (K_B 0: one
-    tile), so a hidden size such as 576 = 512 + 64 needs no padding to 1024: padded lanes
-    hold registers, and registers decide which CTAs fit beside the previous kernel's."""
+    tile), so a hidden size such as 576 = 512 + 64 is not padded to 1024: no masked-off
+    lanes in the loads and reductions."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     offs_j = pid * BLOCK_J + tl.arange(0, BLOCK_J)
