@@ -340,14 +340,33 @@ def _tracked_and_clean(repo, dvc_file: Path) -> bool:
 
 def _try_pull(repo, dvc_file: Path) -> None:
     """Fetch the version data.dvc names, if the cache or remote has it. When neither has it
-    (a fresh clone, a new remote) the caller rebuilds from the source and checks the md5."""
+    (a fresh clone, a new remote) the caller rebuilds it from the source and checks the md5."""
     from dvc.exceptions import DvcException
 
     logging.getLogger("dvc_data").setLevel(logging.ERROR)  # "missing cache files" is expected here
     try:
         repo.pull(targets=[str(dvc_file)])
-    except DvcException as err:
-        _log.warning("data version in %s is not in the DVC cache or remote (%s); rebuilding it from the source", dvc_file.name, str(err).splitlines()[0])
+    except DvcException:
+        # DVC's own words ("Checkout failed for following targets:" and an empty list) read
+        # like an error on the expected path of a fresh clone.
+        _log.info(
+            "%s names data version %s, which neither the DVC cache nor the remote holds yet (as on a fresh clone): "
+            "building it from the source and checking that it matches",
+            dvc_file.name, dvc_md5(dvc_file)[:12],
+        )  # fmt: skip
+
+
+def _check_rebuilt(dvc_file: Path, expected: str) -> None:
+    """After a rebuild: say whether it is the version data.dvc named before."""
+    rebuilt = dvc_md5(dvc_file)
+    if rebuilt == expected:
+        _log.info("rebuilt data version %s from the source: the one %s names", rebuilt[:12], dvc_file.name)
+        return
+    _log.warning(
+        "the data rebuilt from the source is version %s, not %s as %s named: the source or params.yaml's data section "
+        "changed since it was written; %s now names the rebuilt version (commit it to keep the two together)",
+        rebuilt[:12], expected[:12], dvc_file.name, dvc_file.name,
+    )  # fmt: skip
 
 
 def data_version_from_source(params: DataParams, root: Path) -> DataVersion:
@@ -380,10 +399,13 @@ def _versioned_data(params: DataParams, root: Path, recipe: dict[str, str]) -> D
     repo = _dvc_repo(root)
     try:
         if not (_manifest_matches(data_dir, recipe) and _tracked_and_clean(repo, dvc_file)):
-            if dvc_file.is_file():
+            named = dvc_md5(dvc_file) if dvc_file.is_file() else None
+            if named is not None:
                 _try_pull(repo, dvc_file)
             if not (_manifest_matches(data_dir, recipe) and _tracked_and_clean(repo, dvc_file)):
                 _build_and_track(repo, params, root, data_recipe(params, root))
+                if named is not None:
+                    _check_rebuilt(dvc_file, named)
         if params.dvc_push:
             _push(repo, dvc_file)
     finally:

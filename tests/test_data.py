@@ -174,6 +174,40 @@ def test_a_lost_data_folder_and_cache_come_back_from_the_dvc_remote_not_from_the
     assert again.texts("train") == train
 
 
+def test_a_fresh_clone_is_told_plainly_that_its_data_is_built_from_the_source_and_matches_data_dvc(tmp_path, caplog):
+    """A fresh clone has data.dvc but no cache and nothing in a remote yet: the expected path,
+    said as such (not DVC's "Checkout failed for following targets:" and an empty list, as a
+    warning), then whether the rebuilt version is the one data.dvc names."""
+    import logging
+    import shutil
+
+    from .conftest import make_project, tiny_params
+
+    root = make_project(tmp_path / "p")
+    params = tiny_params(root).data
+    first = data_version_from_source(params, root)
+    for gone in (root / "data", root / ".dvc" / "cache", root / "dvc-remote"):
+        shutil.rmtree(gone, ignore_errors=True)
+    with caplog.at_level(logging.INFO, logger="components.data"):
+        again = data_version_from_source(params, root)
+    assert again.md5 == first.md5
+    said = [r.getMessage() for r in caplog.records if r.name == "components.data"]
+    assert any("neither the DVC cache nor the remote holds yet (as on a fresh clone)" in m and first.md5[:12] in m for m in said), said
+    assert any(f"rebuilt data version {first.md5[:12]} from the source: the one data.dvc names" in m for m in said), said
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "components.data"]
+    assert not any("Checkout failed" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()  # data.dvc naming a version the source no longer makes: a warning naming both
+    shutil.rmtree(root / "data")
+    shutil.rmtree(root / ".dvc" / "cache")
+    stale = "0" * 32 + ".dir"
+    (root / "data.dvc").write_text((root / "data.dvc").read_text().replace(first.md5, stale))
+    with caplog.at_level(logging.INFO, logger="components.data"):
+        assert data_version_from_source(params, root).md5 == first.md5
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "components.data"]
+    assert len(warned) == 1 and f"not {stale[:12]} as data.dvc named" in warned[0] and first.md5[:12] in warned[0]
+
+
 def test_the_split_of_a_passage_is_the_same_in_every_process():
     """Python's hash() differs per process (PYTHONHASHSEED): the split must not use it."""
     import sys
