@@ -279,6 +279,31 @@ def test_logprobs_stream_with_their_tokens_and_add_up_to_the_whole_answers(serve
     assert "".join(c["text"] for c in choices) == whole["text"]
 
 
+def test_concurrent_seeded_requests_sharing_decode_steps_each_sample_as_they_would_alone(server):
+    """Each sequence draws from its own generator: requests batched together with the same
+    seed get the same text as that seed alone, and another seed's requests agree among themselves."""
+    sampled = dict(prompt="The list", max_tokens=16, temperature=1.2, top_p=0.9, ignore_eos=True)
+    with server.client() as client:
+        alone = {seed: completion(client, seed=seed, **sampled).json()["choices"][0]["text"] for seed in (5, 6)}
+    seeds = [5, 6] * 4
+    together = threading.Barrier(len(seeds))
+
+    def ask(seed: int) -> str:
+        with server.client() as client:
+            client.get("/healthz")
+            together.wait()
+            return completion(client, seed=seed, **sampled).json()["choices"][0]["text"]
+
+    before = metrics_of(server)
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        answers = list(pool.map(ask, seeds))
+    after = metrics_of(server)
+    assert alone[5] != alone[6]
+    assert answers == [alone[seed] for seed in seeds]
+    assert after["kiln_decoded_rows_total"] - before["kiln_decoded_rows_total"] > after["kiln_decode_steps_total"] - before["kiln_decode_steps_total"]  # they shared steps
+    wait_for_empty_batch(server)
+
+
 def test_n_choices_are_independent_draws_and_the_first_is_the_single_choice_of_the_same_seed(server):
     sampled = dict(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
     with server.client() as client:
@@ -783,12 +808,16 @@ def test_a_union_fields_error_names_the_broken_limit_not_another_members_type(se
     assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
 
 
-@pytest.mark.parametrize(("repeats", "param", "limit"), [(25, "max_tokens", 128), (60, "prompt", 96)], ids=["prompt-plus-max-tokens", "prompt-alone"])
-def test_a_request_beyond_the_engines_profile_is_refused_with_both_numbers(server, tokenizer, repeats, param, limit):
+@pytest.mark.parametrize(
+    ("repeats", "max_tokens", "param", "limit"),
+    [(25, 64, "max_tokens", 128), (60, 64, "prompt", 96), (60, 1, "prompt", 96)],
+    ids=["prompt-plus-max-tokens", "prompt-alone", "prompt-alone-with-room-for-its-tokens"],  # the last: never cut to fit
+)
+def test_a_request_beyond_the_engines_profile_is_refused_with_both_numbers(server, tokenizer, repeats, max_tokens, param, limit):
     prompt = "list " * repeats
     tokens = len(tokenizer.encode(prompt))
     with server.client() as client:
-        response = completion(client, prompt=prompt, max_tokens=64)
+        response = completion(client, prompt=prompt, max_tokens=max_tokens)
         assert completion(client, prompt="x", max_tokens=2).status_code == 200
     assert response.status_code == 400
     error = response.json()["error"]
@@ -930,7 +959,20 @@ def spoil_artifacts(store: Store) -> str:
     return "artifacts cannot be downloaded"
 
 
-@pytest.mark.parametrize("spoil", [spoil_tampered, spoil_gates, spoil_artifacts], ids=["tampered-engine", "gates-failed", "artifacts-gone"])
+def spoil_forced_then_tampered(store: Store) -> str:
+    """A version a person forced past failed gates (with a recorded reason), whose engine is
+    edited afterwards: the reason excuses the gates, never the bytes."""
+    from mlflow import MlflowClient
+
+    MlflowClient(store.target.tracking_uri).set_model_version_tag(MODEL, store.int8, "gates.passed", "false")
+    promote(store.target, "reviewed", version=store.int8, by="a person", reason="latency only; quality checked by hand", force=True)
+    tamper(stored_engine(store.target, store.int8), also_manifest=True)
+    return "sha256"
+
+
+@pytest.mark.parametrize(
+    "spoil", [spoil_tampered, spoil_gates, spoil_artifacts, spoil_forced_then_tampered], ids=["tampered-engine", "gates-failed", "artifacts-gone", "forced-then-tampered"]
+)
 def test_a_version_the_loader_refuses_is_never_served_and_the_old_one_keeps_serving(fresh_store, engine_dir, caplog, spoil):
     from mlflow import MlflowClient
 
