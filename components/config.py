@@ -233,7 +233,6 @@ class BuildParams(_Section):
     # fp16) where torch sees a CUDA GPU; else ONNX Runtime (components.build.resolve_backend).
     backend: Literal["auto", "onnxruntime", "tensorrt", "torch-cuda"] = "auto"
     profiles: ProfileParams = ProfileParams()
-    threads: int | None = Field(None, ge=1)
     tensorrt: TensorRTParams = TensorRTParams()
 
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -373,3 +374,80 @@ def test_the_seam_rules_see_a_planted_violation():
     assert differing_members(NoPid, EngineClient) == {"pid"}
     assert attributes_asked_of("served.scheduler._live.clear()", "scheduler") == {"_live"}
     assert places_naming("class ServedEngine:\n    scheduler: EngineProcess\n", "EngineProcess") == {"<module>"}
+
+
+# ---------------------------------------------------------------- every params key does something
+
+
+# Keys read under a name the code builds: flows/serving_gate.py checks each budget of a
+# scenario as getattr(scenario, f"max_{budget}").
+READ_BY_BUILT_NAME = {("ServingScenario", "max_ttft_p95_ms"), ("ServingScenario", "max_tpot_p95_ms"), ("ServingScenario", "max_request_p99_ms")}
+
+
+def params_fields(model: type, parent: str = "params", prefix: str = "") -> Iterator[tuple[str, type, str, str]]:
+    """(key path, section class, field, the attribute its section is reached by) for every key."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        yield f"{prefix}{name}", model, name, parent
+        for arg in [field.annotation, *typing.get_args(field.annotation)]:
+            for section in [arg, *typing.get_args(arg)]:
+                if isinstance(section, type) and issubclass(section, BaseModel):
+                    yield from params_fields(section, name, f"{prefix}{name}.")
+
+
+def attribute_reads(tree: ast.AST) -> set[tuple[str, str]]:
+    """(what the object was reached by, attribute) for each attribute read: `params.build.x`
+    gives ("build", "x"); `config = params.serving; config.x` and `for s in p.scenarios: s.x`
+    follow the name to where it came from; an annotated parameter `p: LatencyGateParams`
+    gives ("LatencyGateParams", "x")."""
+    found = set()
+    for scope in ast.walk(tree):
+        if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Module):
+            continue
+        origin: dict[str, str] = {}
+        if not isinstance(scope, ast.Module):
+            origin |= {a.arg: ast.unparse(a.annotation) for a in [*scope.args.args, *scope.args.kwonlyargs] if a.annotation is not None}
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                value = node.value.value if isinstance(node.value, ast.Subscript) else node.value  # `row = p.targets[name]`
+                if isinstance(value, ast.Attribute):
+                    origin[node.targets[0].id] = value.attr
+            if isinstance(node, ast.For | ast.comprehension):
+                iterated = node.iter.func.value if isinstance(node.iter, ast.Call) and isinstance(node.iter.func, ast.Attribute) else node.iter  # `.items()`
+                names = [node.target] if isinstance(node.target, ast.Name) else [t for t in getattr(node.target, "elts", []) if isinstance(t, ast.Name)]
+                if isinstance(iterated, ast.Attribute):
+                    origin |= {name.id: iterated.attr for name in names}
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                found.add((node.value.attr, node.attr))
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                found.add((origin.get(node.value.id, node.value.id), node.attr))
+    return found
+
+
+def unread_params_keys(params_model: type) -> set[str]:
+    """Keys of params.yaml that no code of kiln reads (a knob that does nothing)."""
+    reads = set().union(*(attribute_reads(ast.parse(path.read_text())) for package in PRODUCT for path in (REPO / package).rglob("*.py")))
+    return {
+        path for path, section, name, parent in params_fields(params_model)
+        if not {(parent, name), ("self", name), *((c.__name__, name) for c in section.__mro__)} & (reads | READ_BY_BUILT_NAME)
+    }  # fmt: skip
+
+
+def test_every_params_key_is_read_by_some_code():
+    from components.config import Params
+
+    assert unread_params_keys(Params) == set()
+
+
+def test_the_unread_params_check_sees_a_planted_key():
+    from pydantic import create_model
+
+    from components.config import BuildParams, Params
+
+    planted_build = create_model("PlantedBuild", __base__=BuildParams, threads=(int | None, None))
+    planted = create_model("PlantedParams", __base__=Params, build=(planted_build, planted_build()))
+    assert unread_params_keys(planted) == {"build.threads"}
