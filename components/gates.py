@@ -26,7 +26,7 @@ from components.runtime.tokenizer import EngineTokenizer
 
 # Part of the report folder's name and of the Prefect cache key (flows.caching): bump it when
 # the gates' code changes what they measure, and every engine is gated again.
-STAGE_VERSION = "2"  # 2: the text gate
+STAGE_VERSION = "3"  # 2: the text gate; 3: latency measured as the engine is served
 T = TypeVar("T")
 
 
@@ -39,6 +39,8 @@ class GateResult:
     measured: dict[str, float]
     thresholds: dict[str, float]
     samples_ms: tuple[float, ...] = field(default=(), repr=False)
+    # How a timing gate ran (runtime, threads, process): its numbers mean nothing without it.
+    conditions: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -74,6 +76,10 @@ class GateReport:
         """`gates.<gate>.<measure>` → value: the registry's tag and metric names."""
         return {f"gates.{g.name}.{k}": v for g in self.gates for k, v in g.measured.items()}
 
+    def flat_conditions(self) -> dict[str, str]:
+        """`gates.<gate>.<condition>` → how it was measured (`gates.latency.threads`: "1")."""
+        return {f"gates.{g.name}.{k}": v for g in self.gates for k, v in g.conditions.items()}
+
     def to_dict(self) -> dict:
         return {"passed": self.passed, "machine": self.machine, "gates": [asdict(g) | {"samples_ms": list(g.samples_ms)} for g in self.gates]}
 
@@ -86,6 +92,9 @@ class GateReport:
                 # emoji font draws ✅ as an empty box.
                 mark = "" if not limit else ("pass" if gate.passed else "**FAIL**")
                 lines.append(f"| {gate.name} | {measure} | {value:.6g} | {limit} | {mark} |")
+        measured_with = [f"{gate.name}: " + ", ".join(f"{k} {v}" for k, v in gate.conditions.items()) for gate in self.gates if gate.conditions]
+        if measured_with:
+            lines += ["", "Timed as served: " + "; ".join(measured_with) + "."]
         if self.machine:
             lines += ["", f"Measured on {self.machine}."]
         return "\n".join(lines) + "\n"
@@ -311,13 +320,34 @@ def latency_prompt(windows: np.ndarray, length: int) -> list[int]:
 # ---------------------------------------------------------------- together
 
 
-def gate_report(engine: Engine, reference, eval_texts: list[str], params: GateParams) -> GateReport:
+def gate_report(engine: Engine, reference, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
+    """Quality and text on `engine` (any threads: they count tokens, not time); latency on
+    the engine as kiln serve runs it, with `served_threads` (serving.threads)."""
     tokenizer = EngineTokenizer(engine.engine_dir.path)
     windows = eval_windows(tokenizer, eval_texts, params.quality)
     quality = quality_gate(engine, reference, windows, params.quality)
     text = text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text)
-    latency = latency_gate(engine, latency_prompt(windows, params.latency.prompt_tokens), params.latency)
+    latency = latency_gate_as_served(engine.engine_dir.path, latency_prompt(windows, params.latency.prompt_tokens), params.latency, served_threads)
     return GateReport((quality, text, latency), machine_description(engine.manifest.target))
+
+
+def latency_gate_as_served(engine_path: Path, prompt: list[int], params: LatencyGateParams, threads: int | None) -> GateResult:
+    """The latency gate on the engine opened as the server opens it, in a process of its own
+    as the server runs it, with `threads` (serving.threads): timed on all cores in the gating
+    process instead, its numbers were not the served engine's. The result records how."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        return process.submit(_latency_in_this_process, engine_path, prompt, params, threads).result()
+
+
+def _latency_in_this_process(engine_path: Path, prompt: list[int], params: LatencyGateParams, threads: int | None) -> GateResult:
+    from components.runtime import load_engine
+
+    with load_engine(engine_path, threads=threads) as engine:
+        timed = latency_gate(engine, prompt, params)
+        return replace(timed, conditions=engine.runtime_settings() | {"process": "its own, as kiln serve runs it"})
 
 
 def write_report(report: GateReport, directory: Path) -> list[Path]:
@@ -356,13 +386,14 @@ def _plot_latency(gate: GateResult, path: Path) -> None:
     plt.close(figure)
 
 
-def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[str], params: GateParams) -> GateReport:
-    """Gate one engine directory against the PyTorch model directory it came from."""
+def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
+    """Gate one engine directory against the PyTorch model directory it came from; its
+    latency as served with `served_threads` (serving.threads)."""
     from components.model_dir import load_model
     from components.runtime import load_engine
 
     with load_engine(engine_path) as engine:
-        return gate_report(engine, load_model(reference_path), eval_texts, params)
+        return gate_report(engine, load_model(reference_path), eval_texts, params, served_threads)
 
 
 def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams) -> GateResult:
@@ -389,16 +420,19 @@ class GatedEngine:
         return (self.directory / "report.json").is_file()
 
 
-def gated_engine(engine: EngineDir, model: TrainedModel, data: DataVersion, params: GateParams, out_root: Path) -> GatedEngine:
+def gated_engine(engine: EngineDir, model: TrainedModel, data: DataVersion, params: GateParams, out_root: Path, served_threads: int | None) -> GatedEngine:
     """The pipeline's gate stage: an engine against the model it was built from on the data's
-    eval split; the report (JSON, markdown, latency plot) lands in a folder named by the engine."""
-    report = gate_engine_dir(engine.path, model.path, data.texts("eval"), params)
-    directory = out_root / f"v{STAGE_VERSION}-{engine.sha256[:16]}"
+    eval split, timed as served with `served_threads`; the report (JSON, markdown, latency
+    plot) lands in a folder named by the engine and those threads."""
+    report = gate_engine_dir(engine.path, model.path, data.texts("eval"), params, served_threads)
+    directory = out_root / f"v{STAGE_VERSION}-{engine.sha256[:16]}-threads-{served_threads or 'all'}"
     write_report(report, directory)
     return GatedEngine(report, directory)
 
 
-def gate_against_lineage(engine_path: Path, params: GateParams, data_dir: Path, reference: Path | None = None) -> tuple[GateReport, str | None]:
+def gate_against_lineage(
+    engine_path: Path, params: GateParams, data_dir: Path, served_threads: int | None, reference: Path | None = None
+) -> tuple[GateReport, str | None]:
     """`kiln gate`: an engine directory against `reference` (default: the model its lineage
     names) on the eval split under `data_dir`; and a note when the reference is not the
     model the engine was built from."""
@@ -409,7 +443,7 @@ def gate_against_lineage(engine_path: Path, params: GateParams, data_dir: Path, 
     note = None
     if model.sha256 != engine.manifest.lineage.source_model_sha256:
         note = f"reference {model.path} is not the model this engine was built from"
-    return gate_engine_dir(engine.path, model.path, split_texts(data_dir, "eval"), params), note
+    return gate_engine_dir(engine.path, model.path, split_texts(data_dir, "eval"), params, served_threads), note
 
 
 def fastest_passing(candidates: Sequence[T], report_of: Callable[[T], GateReport]) -> T | None:

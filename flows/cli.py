@@ -159,7 +159,7 @@ def gate(
             params = Params()
         else:
             params = _load(params_file or Path("params.yaml"))
-        report, warning = gate_against_lineage(engine_dir, params.gates, data or Path(params.data.path), reference)
+        report, warning = gate_against_lineage(engine_dir, params.gates, data or Path(params.data.path), params.serving.threads, reference)
     if warning:
         render.note(warning)
     render.gate_report(report)

@@ -39,7 +39,7 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
     if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
         named[tags.CHAMPION_GATE_PASSED] = tags.flag(against_champion.passed)
         named |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}
-    return named | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()}
+    return named | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()} | report.flat_conditions()
 
 
 def run_record(

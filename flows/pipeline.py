@@ -193,7 +193,7 @@ def _engine_for(
 ) -> EngineOutcome:
     graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
-    gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"))
+    gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"), params.serving.threads)
     report = gated.report.plus(serving_check(engine, data.texts("eval"), params.gates, params.serving.threads))
     champion = alias_version(target, CHAMPION)
     is_champion = champion is not None and (champion.tags.get(tags.ENGINE_SHA256), champion.tags.get(tags.PROFILES_SHA256)) == (

@@ -24,8 +24,9 @@ def serving_gate(engine_dir: EngineDir, eval_texts: list[str], params: GateParam
     for scenario in params.serving.scenarios:
         prompts = token_windows(tokenizer, eval_texts, scenario.clients * scenario.requests, scenario.prompt_tokens).tolist()
         engine = open_engine(engine_dir, threads=threads)  # the scheduler closes it when it stops
+        conditions = engine.runtime_settings()
         numbers = measure_scenario(engine, tokenizer, prompts, scenario.clients, scenario.requests, scenario.new_tokens)
         measured |= {f"{scenario.name}.{name}": value for name, value in numbers.items()}
         thresholds |= {f"max_{scenario.name}.{budget}": getattr(scenario, f"max_{budget}") for budget in BUDGETS}
     passed = all(measured[key.removeprefix("max_")] <= limit for key, limit in thresholds.items())
-    return GateResult("serving", passed, measured, thresholds)
+    return GateResult("serving", passed, measured, thresholds, conditions=conditions | {"process": "the server's scheduler, without HTTP"})

@@ -59,6 +59,7 @@ def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
     assert info.tags["params_sha256"] == params.digest()
     assert float(info.tags["gates.quality.top1_agreement"]) == 1.0
     assert {"backend", "precision", "target", "calibration_digest", "git_commit", "gates.latency.p95_ms"} <= set(info.tags)
+    assert info.tags["gates.latency.threads"] == str(params.serving.threads)  # timed as served, and saying so
 
     second_state = retrain_and_rebuild(params, flow_project, return_state=True)
     second = second_state.result()

@@ -83,7 +83,7 @@ def test_the_latency_gate_reports_percentiles_and_fails_past_its_limit(engine, w
 
 
 def test_a_report_is_written_as_json_markdown_and_a_plot(tmp_path, engine, reference, data_version, params):
-    report = gate_report(engine, reference, data_version.texts("eval"), params.gates)
+    report = gate_report(engine, reference, data_version.texts("eval"), params.gates, params.serving.threads)
     assert report.passed
     paths = write_report(report, tmp_path)
     assert [p.name for p in paths] == ["report.json", "report.md", "latency.png"]
@@ -192,7 +192,7 @@ def test_a_precision_without_text_limits_is_a_config_error(engine, engine_dir, r
 from components.gates import GateReport, GateResult, fastest_passing, limit_text  # noqa: E402
 
 QUALITY_OK = GateResult("quality", True, {"top1_agreement": 0.995, "ppl_increase_pct": 0.25}, {"min_top1_agreement": 0.99, "max_ppl_increase_pct": 1.0})
-LATENCY_SLOW = GateResult("latency", False, {"p50_ms": 12.0, "p95_ms": 31.5}, {"max_p95_ms": 30.0}, (11.0, 12.0, 31.5))
+LATENCY_SLOW = GateResult("latency", False, {"p50_ms": 12.0, "p95_ms": 31.5}, {"max_p95_ms": 30.0}, (11.0, 12.0, 31.5), {"runtime": "onnxruntime 1.32.0", "threads": "1"})
 
 
 def test_a_passing_gate_has_no_failure_lines_and_a_failing_one_names_each_broken_limit():
@@ -227,6 +227,7 @@ def test_the_json_report_keeps_every_number_limit_and_latency_sample():
         "measured": {"p50_ms": 12.0, "p95_ms": 31.5},
         "thresholds": {"max_p95_ms": 30.0},
         "samples_ms": [11.0, 12.0, 31.5],
+        "conditions": {"runtime": "onnxruntime 1.32.0", "threads": "1"},  # what the timings mean
     }
     assert json.loads(json.dumps(saved)) == saved
 
@@ -241,6 +242,8 @@ def test_the_markdown_report_is_a_table_with_each_limit_and_its_verdict():
         "| quality | ppl_increase_pct | 0.25 | <= 1 | pass |\n"
         "| latency | p50_ms | 12 |  |  |\n"
         "| latency | p95_ms | 31.5 | <= 30 | **FAIL** |\n"
+        "\n"
+        "Timed as served: latency: runtime onnxruntime 1.32.0, threads 1.\n"
     )
     assert GateReport((QUALITY_OK,)).to_markdown().startswith("# Gate report: PASSED\n")
 
@@ -417,3 +420,21 @@ def test_an_eval_split_shorter_than_one_window_is_a_data_error_naming_both_lengt
         eval_windows(tokenizer, [short], QualityGateParams(sequences=2, sequence_length=64))
     windows = eval_windows(tokenizer, [short * 40], QualityGateParams(sequences=2, sequence_length=8))
     assert windows.shape == (2, 8) and windows.dtype == np.int64
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_latency_gate_times_the_engine_with_the_servers_threads_in_a_process_of_its_own(engine_dir, params, threads):
+    """What the version page says about latency is what kiln serve gets: the engine opened with
+    serving.threads intra-op threads in a process of its own, and that is recorded with the
+    numbers (the report's table, the version's tags)."""
+    from components.gates import latency_gate_as_served
+    from flows.lineage import version_tags
+
+    quick = LatencyGateParams(prompt_tokens=8, new_tokens=4, warmup=1, runs=2, max_p95_ms=10_000)
+    timed = latency_gate_as_served(engine_dir.path, list(range(1, 9)), quick, threads)
+    assert timed.conditions == {"runtime": f"onnxruntime {engine_dir.manifest.backend_version}", "threads": str(threads), "process": "its own, as kiln serve runs it"}
+    assert timed.passed and len(timed.samples_ms) == 2
+    report = GateReport((timed,))
+    assert f"threads {threads}, process its own" in report.to_markdown()
+    tagged = version_tags(params, engine_dir, report, git_commit="abc")
+    assert tagged["gates.latency.threads"] == str(threads) and tagged["gates.latency.process"] == "its own, as kiln serve runs it"

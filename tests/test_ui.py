@@ -42,7 +42,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def report(engine, reference, data_version, params):
-    return gate_report(engine, reference, data_version.texts("eval"), params.gates)
+    return gate_report(engine, reference, data_version.texts("eval"), params.gates, params.serving.threads)
 
 
 @pytest.fixture()

@@ -95,6 +95,11 @@ class Engine(ABC):
     def close(self) -> None:
         """Release the backend's resources; the engine is unusable afterwards."""
 
+    def runtime_settings(self) -> dict[str, str]:
+        """How this engine runs, in the terms that change its speed (a gate's timings are
+        recorded with them): the backend and, where the backend has them, its threads."""
+        return {"runtime": f"{self.manifest.backend} {self.manifest.backend_version}"}
+
     def __enter__(self) -> Engine:
         return self
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from components.engine_dir import EngineDir
 from components.errors import EngineError
 from components.runtime.engine import Engine
@@ -43,6 +45,10 @@ class OrtEngine(Engine):
         feeds |= dict(zip(self.manifest.past_names, cache))
         logits, *present = self.session.run(None, feeds)
         return logits, present
+
+    def runtime_settings(self) -> dict[str, str]:
+        threads = self.session.get_session_options().intra_op_num_threads  # 0: ONNX Runtime's default, one per core
+        return super().runtime_settings() | {"threads": str(threads) if threads else f"all cores ({os.cpu_count()})"}
 
     def close(self) -> None:
         self.session = None
