@@ -149,3 +149,25 @@ def test_unrepresentative_calibration_costs_quality_that_the_gate_measures(proje
     # Measured: mean |Δlogits| 0.088 vs 0.012 (7×); perplexity +0.93 % vs −0.05 % (+0.44 vs +0.03 elsewhere).
     assert error["unrepresentative"] > 3 * error["curated-minmax"], error
     assert quality["unrepresentative"]["ppl_increase_pct"] > quality["curated-minmax"]["ppl_increase_pct"] + 0.2, quality
+
+
+def test_the_same_model_makes_the_same_bytes_at_every_stage_in_another_checkout(tmp_path, project, params, tiny_model, exported, data_version, calibration):
+    """The README's claim, as far as one machine can check it: from the same model directory,
+    another folder (another checkout, another worker of the pool on this CPU) gets the same
+    ONNX export, calibration set, int8 graph and engine, byte for byte, so registering it
+    again creates nothing. (Across CPUs: the int8 stage gave the same bytes on an AMD EPYC and
+    an Intel Xeon with AMX; training does not, see the README.)"""
+    from components.build import engine_from_onnx
+    from components.calibrate import calibration_set_from_pool
+    from components.export import onnx_from_model
+
+    here = build_engine(project, params, tiny_model, exported, data_version, "int8", calibration)
+    other = tmp_path / "another-checkout"
+    onnx_again = onnx_from_model(tiny_model, params.export, other / "onnx")
+    calibration_again = calibration_set_from_pool(data_version, tiny_model.path, params.build.profiles, params.calibration, other / "calibration")
+    graph_again = precision_onnx(onnx_again, "int8", calibration_again, params.precision, other / "precision")
+    engine_again = engine_from_onnx(graph_again, tiny_model, data_version, params.build, other / "engines", other)
+    assert onnx_again.sha256 == exported.sha256
+    assert calibration_again.digest == calibration.digest
+    assert graph_again.onnx.sha256 == here.manifest.lineage.precision_onnx_sha256
+    assert engine_again.sha256 == here.sha256
