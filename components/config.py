@@ -170,8 +170,9 @@ class ProfileParams(_Section):
     context: ShapeRange = ShapeRange(min=2, opt=64, max=256)
 
 
-Precision = Literal["fp32", "fp16", "int8"]
+Precision = Literal["fp32", "fp16", "int8", "int4"]
 TORCH_CUDA_PRECISIONS = ("fp32", "fp16")  # what the torch-cuda backend builds (no int8 program)
+ORT_ONLY_PRECISIONS = ("int4",)  # graphs of ONNX Runtime's own operators (MatMulNBits)
 
 
 class KeepFloatParams(_Section):
@@ -202,6 +203,25 @@ class Int8Params(_Section):
     keep_float: KeepFloatParams = KeepFloatParams()
 
 
+class Int4Params(_Section):
+    """Weight-only 4-bit blocks (ONNX Runtime's MatMulNBits) for every linear layer with a
+    constant weight: at batch 1 a token's time is reading the weights, and 4 bits read half
+    of int8's bytes. Activations stay float; nothing is calibrated."""
+
+    block_size: int = Field(32, ge=16, le=256)  # weights per scale, along the input dimension
+    symmetric: bool = True  # False: a zero point per block too
+    # MatMulNBits' arithmetic: 4 quantizes the activations to int8 per block and multiplies
+    # with int8 kernels (VNNI where the CPU has it); 0 dequantizes the weights to float.
+    accuracy_level: Literal[0, 1, 2, 3, 4] = 4
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, block_size: int) -> int:
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two (MatMulNBits' blocks), not {block_size}")
+        return block_size
+
+
 class Fp16Params(_Section):
     # RMSNormalization (Llama's norm) is an ONNX op from opset 23 only; below it the export
     # decomposes it, and the precision stage finds the decomposition (x², mean, rsqrt).
@@ -211,6 +231,7 @@ class Fp16Params(_Section):
 class PrecisionParams(_Section):
     build: list[Precision] = Field(default_factory=lambda: ["fp32", "int8"], min_length=1)
     int8: Int8Params = Int8Params()
+    int4: Int4Params = Int4Params()
     fp16: Fp16Params = Fp16Params()
 
 
@@ -253,6 +274,7 @@ class QualityGateParams(_Section):
         "fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=1.0),
         "fp16": QualityLimits(min_top1_agreement=0.98, max_ppl_increase_pct=1.5),
         "int8": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0),
+        "int4": QualityLimits(min_top1_agreement=0.93, max_ppl_increase_pct=3.0),
     }
 
 
@@ -274,6 +296,7 @@ class TextGateParams(_Section):
         "fp32": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "fp16": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "int8": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
+        "int4": TextLimits(max_rouge_l_drop_pct=5.0, max_bleu_drop_pct=5.0),
     }
 
 
@@ -458,13 +481,17 @@ class Params(_Section):
 
     @model_validator(mode="after")
     def _backends_build_their_precisions(self) -> Params:
-        """torch-cuda has no int8 form: say so before any work, not at the build stage."""
+        """torch-cuda has no int8 or int4 form, TensorRT no int4: say so before any work, not at
+        the build stage."""
         asked = [("build.backend", self.build.backend, "precision.build", self.precision.build)]
         asked += [(f"pool.targets.{name}.backend", t.backend, f"pool.targets.{name}.precisions", t.precisions) for name, t in self.pool.targets.items()]
         for backend_key, backend, precisions_key, precisions in asked:
             other = [p for p in precisions if p not in TORCH_CUDA_PRECISIONS]
             if backend == "torch-cuda" and other:
-                raise ValueError(f"{backend_key} torch-cuda builds {' and '.join(TORCH_CUDA_PRECISIONS)}; {precisions_key} has {', '.join(other)} (auto builds int8 on ONNX Runtime)")
+                raise ValueError(f"{backend_key} torch-cuda builds {' and '.join(TORCH_CUDA_PRECISIONS)}; {precisions_key} has {', '.join(other)} (auto builds {', '.join(other)} on ONNX Runtime)")
+            ort_only = [p for p in precisions if p in ORT_ONLY_PRECISIONS]
+            if backend == "tensorrt" and ort_only:
+                raise ValueError(f"{backend_key} tensorrt cannot build {', '.join(ort_only)} ({precisions_key}): those engines run ONNX Runtime's MatMulNBits (auto builds them on ONNX Runtime)")
         return self
 
     def digest(self) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from components.calibrate import CalibrationSet
-from components.config import Fp16Params, Int8Params, PrecisionParams, section_digest
+from components.config import Fp16Params, Int4Params, Int8Params, PrecisionParams, section_digest
 from components.engine_dir import LOGITS_POSITIONS
 from components.errors import BuildError
 from components.export import ExportedOnnx
@@ -58,13 +58,15 @@ def precision_onnx(
         return PrecisionOnnx(onnx=onnx, precision="fp32", fp32_sha256=onnx.sha256)
     if precision == "int8" and calibration is None:
         raise BuildError("an int8 graph needs a calibration set")
-    settings = params.int8 if precision == "int8" else params.fp16
+    settings = {"int8": params.int8, "int4": params.int4, "fp16": params.fp16}[precision]
     salt = calibration.digest[:12] if precision == "int8" else "nocal"
     target = out_root / f"{precision}-v{STAGE_VERSION}-{section_digest(settings)[:10]}-{salt}-{onnx.sha256[:12]}"
 
     def build(staging: Path) -> None:
         if precision == "int8":
             int8_qdq_onnx(onnx, calibration, params.int8, staging / ONNX_FILE)
+        elif precision == "int4":
+            int4_weight_only_onnx(onnx.path, params.int4, staging / ONNX_FILE)
         else:
             fp16_onnx(onnx.path, params.fp16, staging / ONNX_FILE)
 
@@ -76,6 +78,50 @@ def precision_onnx(
         fp32_sha256=onnx.sha256,
         calibration_digest=calibration.digest if precision == "int8" else None,
     )
+
+
+# ---------------------------------------------------------------- int4
+
+
+def int4_weight_only_onnx(source: Path, params: Int4Params, output: Path) -> None:
+    """Every linear layer with a constant weight as MatMulNBits (4-bit blocks, one scale per
+    `block_size` weights along the input); everything else as it was. The tied LM head stays
+    float: its weight reaches the graph through a Transpose of the embedding, not as a
+    constant (constant-folded, it would be a second copy of the embedding to read)."""
+    import logging
+
+    import onnx as onnx_lib
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    model = onnx_lib.load(str(source))
+    _gemms_as_matmuls(model)
+    config = DefaultWeightOnlyQuantConfig(block_size=params.block_size, is_symmetric=params.symmetric, accuracy_level=params.accuracy_level, bits=4)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node otherwise
+    quantizer = MatMulNBitsQuantizer(model, block_size=params.block_size, is_symmetric=params.symmetric, accuracy_level=params.accuracy_level, algo_config=config)
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(output), False)
+
+
+def _gemms_as_matmuls(model) -> None:
+    """Gemm(x, W, b) with a constant W as MatMul(x, W) + b, in place. MatMulNBits replaces
+    MatMul only (ONNX Runtime's quantizer skips Gemm), and kiln's GPT-2 export writes its
+    linear layers as Gemm; the arithmetic is the same. Transposed or scaled Gemms stay."""
+    from onnx import helper
+
+    constants = {i.name for i in model.graph.initializer}
+    nodes = []
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        plain = attrs.get("transA", 0) == 0 and attrs.get("transB", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+        if node.op_type != "Gemm" or not plain or node.input[1] not in constants:
+            nodes.append(node)
+            continue
+        product = node.output[0] if len(node.input) < 3 else f"{node.output[0]}_matmul"
+        nodes.append(helper.make_node("MatMul", node.input[:2], [product], name=f"{node.name}_MatMul"))
+        if len(node.input) == 3:
+            nodes.append(helper.make_node("Add", [product, node.input[2]], node.output[:1], name=f"{node.name}_Add"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 # ---------------------------------------------------------------- int8

@@ -89,6 +89,14 @@ def test_torch_cuda_asked_for_int8_is_a_config_error_before_any_work(tmp_path, t
     assert load_params(write(tmp_path, text.replace("int8", "fp32") if "pool" in text else text + "precision:\n  build: [fp16]\n"))
 
 
+def test_int4_asked_of_tensorrt_and_a_block_size_that_is_no_power_of_two_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("build.backend tensorrt cannot build int4 (precision.build): those engines run ONNX Runtime's MatMulNBits")):
+        load_params(write(tmp_path, "build:\n  backend: tensorrt\nprecision:\n  build: [fp16, int4]\n"))
+    with pytest.raises(ConfigError, match="block_size must be a power of two"):
+        load_params(write(tmp_path, "precision:\n  int4: {block_size: 48}\n"))
+    assert load_params(write(tmp_path, "precision:\n  build: [fp32, int4]\n  int4: {block_size: 64, symmetric: false}\n")).precision.int4.block_size == 64
+
+
 def test_llama_keys_under_a_gpt2_architecture_are_named(tmp_path):
     with pytest.raises(ConfigError, match="n_kv_heads, rope_theta apply to family llama only; family is gpt2"):
         load_params(write(tmp_path, "model:\n  architecture: {n_kv_heads: 2, rope_theta: 10000}\n"))

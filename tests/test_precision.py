@@ -90,12 +90,47 @@ def test_fp16_graph_keeps_layernorm_and_logits_in_fp32(fp16_graph):
         assert source is None or source.op_type != "Cast" or next(a.i for a in source.attribute if a.name == "to") == onnx.TensorProto.FLOAT
 
 
-def test_fp16_and_int8_engines_pass_their_quality_limits(project, params, tiny_model, exported, data_version, calibration, reference, windows):
-    for precision in ("fp16", "int8"):
+def test_fp16_int8_and_int4_engines_pass_their_quality_limits(project, params, tiny_model, exported, data_version, calibration, reference, windows):
+    for precision in ("fp16", "int8", "int4"):
         engine_dir = build_engine(project, params, tiny_model, exported, data_version, precision, calibration)
         result = quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
         assert engine_dir.manifest.precision == precision
         assert result.passed, (precision, result.measured)
+
+
+@pytest.fixture(scope="module")
+def int4_graph(project, exported, params):
+    return precision_onnx(exported, "int4", None, params.precision, project / "precision")
+
+
+def test_int4_puts_every_linear_layer_in_4_bit_blocks_and_leaves_the_rest_float(int4_graph, exported):
+    """GPT-2's linear layers are Gemms in the export: each becomes MatMulNBits (4 bits, blocks
+    of params' size) plus its bias; the tied LM head, LayerNorm, attention and activations
+    stay float, and nothing is calibrated."""
+    model = onnx.load(str(int4_graph.onnx.path))
+    ops = [n.op_type for n in model.graph.node]
+    fp32 = onnx.load(str(exported.path))
+    linear = [n for n in fp32.graph.node if n.op_type == "Gemm"]
+    packed = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(packed) == len(linear) == 4 * exported.layout.num_layers and "Gemm" not in ops
+    for node in packed:
+        settings = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (settings["bits"], settings["block_size"], settings["accuracy_level"]) == (4, 32, 4)
+    assert ops.count("LayerNormalization") == [n.op_type for n in fp32.graph.node].count("LayerNormalization")
+    assert not {"QuantizeLinear", "DequantizeLinear"} & set(ops) and int4_graph.calibration_digest is None
+    weights = {i.name: numpy_helper.to_array(i) for i in fp32.graph.initializer}
+    packed_bytes = {i.name: len(i.raw_data) for i in model.graph.initializer}
+    assert sum(packed_bytes[n.input[1]] for n in packed) * 2 == sum(weights[n.input[1]].size for n in linear)  # half a byte a weight
+
+
+@pytest.mark.parametrize("backend", ["tensorrt", "torch-cuda"])
+def test_int4_is_built_by_onnx_runtime_alone_and_another_backend_is_refused_by_name(backend):
+    from components.build import resolve_backend
+    from components.errors import BuildError
+
+    assert resolve_backend("auto", "int4") == "onnxruntime"
+    with pytest.raises(BuildError, match=f"int4 engines run ONNX Runtime's MatMulNBits; build.backend {backend} cannot build them"):
+        resolve_backend(backend, "int4")
 
 
 def int8_engine(name, settings, calibration, project, params, tiny_model, exported, data_version):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.build.packaging import STAGE_VERSION
-from components.config import TORCH_CUDA_PRECISIONS, BuildParams
+from components.config import ORT_ONLY_PRECISIONS, TORCH_CUDA_PRECISIONS, BuildParams
 from components.data import DataVersion
 from components.engine_dir import EngineDir, Lineage
-from components.errors import BackendUnavailable
+from components.errors import BackendUnavailable, BuildError
 from components.model_dir import TrainedModel
 from components.precision import PrecisionOnnx
 
@@ -34,9 +34,13 @@ def timing_cache_of(params: BuildParams, project_root: Path) -> Path:
 def resolve_backend(requested: str, precision: str = "fp32") -> str:
     """The backend that builds `precision`. `auto` is TensorRT where it imports and an NVIDIA
     GPU is present; else torch-cuda where torch sees a CUDA GPU, for the precisions it has
-    (fp32, fp16; int8 stays on ONNX Runtime); else ONNX Runtime."""
+    (fp32, fp16; int8 stays on ONNX Runtime); else ONNX Runtime. int4 is ONNX Runtime's alone."""
     from components.runtime.availability import tensorrt_ready, torch_cuda_ready
 
+    if precision in ORT_ONLY_PRECISIONS:
+        if requested not in ("auto", "onnxruntime"):
+            raise BuildError(f"{precision} engines run ONNX Runtime's MatMulNBits; build.backend {requested} cannot build them (use auto or onnxruntime)")
+        return "onnxruntime"
     if requested == "auto":
         if tensorrt_ready()[0]:
             return "tensorrt"
