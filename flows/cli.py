@@ -114,10 +114,11 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
         shutil.rmtree(Workspace(root).state / "stages", ignore_errors=True)
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     # Imported only now: Prefect reads PREFECT_TASKS_REFRESH_CACHE when the tasks are defined.
-    from flows.logs import hide_kiln_tracebacks
+    from flows.logs import hide_kiln_tracebacks, show_stage_notes
     from flows.pipeline import retrain_and_rebuild
 
     hide_kiln_tracebacks()
+    show_stage_notes()
     try:
         return retrain_and_rebuild(params, root, model_dir)
     except GateFailed as err:

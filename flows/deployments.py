@@ -43,11 +43,12 @@ WAITING = ("SCHEDULED", "PENDING")  # AwaitingConcurrencySlot is a SCHEDULED sta
 def _project(project: str, params_file: str) -> tuple[Path, Params]:
     """A flow run's project root and params, with kiln's environment set for that project."""
     from flows.environment import prepare_environment
-    from flows.logs import hide_kiln_tracebacks
+    from flows.logs import hide_kiln_tracebacks, show_stage_notes
 
     root = Path(project)
     prepare_environment(root)
     hide_kiln_tracebacks()  # in the flow run's process: its failures print as their one-line messages
+    show_stage_notes()
     return root, load_params(root / params_file)
 
 

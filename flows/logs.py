@@ -36,3 +36,9 @@ def hide_kiln_tracebacks() -> None:
     for handler in handlers:
         if not any(isinstance(f, NoKilnTracebacks) for f in handler.filters):
             handler.addFilter(NoKilnTracebacks())
+
+
+def show_stage_notes() -> None:
+    """The stages' own INFO lines (what the data stage found on a fresh clone and did) in the
+    run's log: Prefect's logging leaves loggers other than its own at WARNING."""
+    logging.getLogger("components").setLevel(logging.INFO)
