@@ -246,3 +246,14 @@ def test_the_data_stage_leaves_the_process_standard_streams_as_they_were(tmp_pat
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["DataError", "True", "True"]  # DVC was reached: the folder is no DVC repository
+
+
+def test_a_machine_without_dvc_skips_the_tests_that_need_a_project_saying_why(tmp_path, monkeypatch):
+    """The lent GPU machine's image has no dvc: its GPU tests that need a project skip there
+    with the reason instead of erroring in fixture setup."""
+    from . import conftest
+
+    monkeypatch.setattr(conftest, "DVC", str(tmp_path / "no-dvc-here"))
+    with pytest.raises(pytest.skip.Exception, match="dvc is not installed beside .*: the test needs a DVC project"):
+        conftest.make_project(tmp_path / "p")
+    assert not (tmp_path / "p").exists()
