@@ -103,24 +103,28 @@ def int4_graph(project, exported, params):
     return precision_onnx(exported, "int4", None, params.precision, project / "precision")
 
 
-def test_int4_puts_every_linear_layer_in_4_bit_blocks_and_leaves_the_rest_float(int4_graph, exported):
+def test_int4_puts_every_linear_layer_in_4_bit_blocks_the_lm_head_in_8_and_leaves_the_rest_float(int4_graph, exported):
     """GPT-2's linear layers are Gemms in the export: each becomes MatMulNBits (4 bits, blocks
-    of params' size) plus its bias; the tied LM head, LayerNorm, attention and activations
-    stay float, and nothing is calibrated."""
+    of params' size) plus its bias; the tied LM head (a Transpose of the embedding, folded
+    to a constant) 8-bit blocks; LayerNorm, attention and activations stay float, and
+    nothing is calibrated."""
     model = onnx.load(str(int4_graph.onnx.path))
     ops = [n.op_type for n in model.graph.node]
     fp32 = onnx.load(str(exported.path))
     linear = [n for n in fp32.graph.node if n.op_type == "Gemm"]
-    packed = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    assert len(packed) == len(linear) == 4 * exported.layout.num_layers and "Gemm" not in ops
-    for node in packed:
-        settings = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert (settings["bits"], settings["block_size"], settings["accuracy_level"]) == (4, 32, 4)
+    packed = {n.name: (n, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}) for n in model.graph.node if n.op_type == "MatMulNBits"}
+    by_bits = {bits: [node for node, settings in packed.values() if settings["bits"] == bits] for bits in (4, 8)}
+    assert len(by_bits[4]) == len(linear) == 4 * exported.layout.num_layers and len(by_bits[8]) == 1 and "Gemm" not in ops
+    assert all((s["block_size"], s["accuracy_level"]) == (32, 4) for _, s in packed.values())
+    head = by_bits[8][0]
+    assert next(d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim[-1:]) == exported.layout.vocab_size
     assert ops.count("LayerNormalization") == [n.op_type for n in fp32.graph.node].count("LayerNormalization")
     assert not {"QuantizeLinear", "DequantizeLinear"} & set(ops) and int4_graph.calibration_digest is None
     weights = {i.name: numpy_helper.to_array(i) for i in fp32.graph.initializer}
     packed_bytes = {i.name: len(i.raw_data) for i in model.graph.initializer}
-    assert sum(packed_bytes[n.input[1]] for n in packed) * 2 == sum(weights[n.input[1]].size for n in linear)  # half a byte a weight
+    assert sum(packed_bytes[n.input[1]] for n in by_bits[4]) * 2 == sum(weights[n.input[1]].size for n in linear)  # half a byte a weight
+    embedding = next(w for w in weights.values() if w.ndim == 2 and w.shape[0] == exported.layout.vocab_size)
+    assert packed_bytes[head.input[1]] == embedding.size  # a byte a weight
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "torch-cuda"])
