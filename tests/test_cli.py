@@ -227,9 +227,9 @@ def test_kiln_run_fresh_rebuilds_every_stage_instead_of_reusing_the_cache(served
 def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path):
     result = kiln("bench", "--shape", "tiny", "--runs", "2", "--json", str(tmp_path / "bench.json"), "--work", str(tmp_path / "work"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hf-eager-fp32" in result.stdout and "kiln-ort-int8" in result.stdout
+    assert "hf-eager-fp32" in result.stdout and "kiln-ort-int8" in result.stdout and "kiln-ort-int4" in result.stdout
     rows = {row["name"]: row for row in json.loads((tmp_path / "bench.json").read_text())["rows"]}
-    assert set(rows) == {"hf-eager-fp32", "kiln-ort-fp32", "kiln-ort-int8"}
+    assert set(rows) == {"hf-eager-fp32", "kiln-ort-fp32", "kiln-ort-int8", "kiln-ort-int4"}
     assert all(len(row["runs_ms"]) == 2 and min(row["runs_ms"]) <= row["median_ms"] <= max(row["runs_ms"]) for row in rows.values())
     assert rows["hf-eager-fp32"]["speedup_vs_hf"] == 1.0
 
