@@ -202,7 +202,8 @@ async def _drive(url: str, model: str, prompts: list[list[int]], setup: ServingB
 
 
 async def _one(client: aiohttp.ClientSession, model: str, prompt: list[int], setup: ServingBenchSetup) -> _Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": setup.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    # stream_options: servers that send the usage in a chunk of its own (vLLM, llama-server) send it only when asked.
+    body = {"model": model, "prompt": prompt, "max_tokens": setup.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first, tokens = None, 0
     try:
@@ -213,10 +214,24 @@ async def _one(client: aiohttp.ClientSession, model: str, prompt: list[int], set
             tail = b""
             async for piece in response.content.iter_any():  # raw bytes: the client's own CPU stays small
                 first = first or time.perf_counter()
-                tail = (tail + piece)[-512:]
-            usage = tail.rfind(b'"usage": ')
-            if usage >= 0:  # only the last chunk carries usage
-                tokens = json.loads(tail[usage + 9 :].split(b"}", 1)[0] + b"}")["completion_tokens"]
+                tail = (tail + piece)[-8192:]
+            tokens = _completion_tokens(tail)
     except (aiohttp.ClientError, TimeoutError):
         return _Sample(time.perf_counter() - started, 0.0, 0, False)
     return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, tokens, tokens == setup.new_tokens)
+
+
+def _completion_tokens(tail: bytes) -> int:
+    """completion_tokens of the stream's usage, parsed from its last events (the last chunk
+    carries it, or one of its own before [DONE]); 0 if none does. Parsed as JSON, not matched
+    as bytes: servers write it compact or spaced."""
+    for line in reversed(tail.split(b"\n")):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            usage = json.loads(line[6:]).get("usage")
+        except ValueError:  # the first event in the tail, cut by it
+            return 0
+        if usage:
+            return int(usage.get("completion_tokens", 0))
+    return 0

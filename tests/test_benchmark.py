@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import generation as bm
 
 TINY = bm.TINY
@@ -33,3 +35,20 @@ def test_the_benchmark_engines_are_what_the_pipeline_builds(tmp_path):
     _, engines = bm.benchmark_engines(tmp_path, ["int8"], setup, TINY)
     manifest = load_engine_dir(engines["int8"]).manifest
     assert manifest.precision == "int8" and manifest.backend == "onnxruntime"
+
+
+@pytest.mark.parametrize(
+    ("stream", "tokens"),
+    [
+        (b'data: {"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": {"prompt_tokens": 3, "completion_tokens": 16, "total_tokens": 19}}\n\ndata: [DONE]\n\n', 16),
+        (b'data: {"id":"x","choices":[{"index":0,"text":"a"}]}\n\ndata: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":32,"total_tokens":35}}\n\ndata: [DONE]\n\n', 32),
+        (b'data: {"id":"x","choices":[{"index":0,"text":"a","finish_reason":"length"}]}\n\ndata: [DONE]\n\n', 0),
+    ],
+    ids=["kiln-spaced-usage-in-the-last-chunk", "compact-usage-chunk-of-its-own", "no-usage"],
+)
+def test_the_serving_load_reads_the_usage_of_any_openai_server_s_stream(stream, tokens):
+    """`kiln bench serving` counted every request of a server writing compact JSON as failed:
+    it matched the bytes `"usage": `. It parses the stream's last events."""
+    from benchmarks.serving_load import _completion_tokens
+
+    assert _completion_tokens(stream) == tokens
