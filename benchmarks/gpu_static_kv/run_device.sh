@@ -2,24 +2,10 @@
 # On the device machine, from the repo root: bash benchmarks/gpu_static_kv/run_device.sh [kilnbench] [kiln] [steps] [pdl] [test] [bench]
 # Everything it writes lands in $OUT (at most 8 files come back).
 set -o pipefail
-cd "$(dirname "$0")"
-export PYTHONUNBUFFERED=1
-ROOT="$(cd ../.. && pwd)"
-# kiln's packages (components.*; benchmarks.*, whose modules the steps run with -m) from the
-# checkout; the wheels kiln needs and the image lacks (pydantic, evaluate, ...: see
-# README.md) installed from the carried .whl folder.
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d "$ROOT/.whl" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$ROOT"/.whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source "$(dirname "$0")/device_env.sh"
+cd benchmarks/gpu_static_kv
 # Compile caches of the prototype's bench live in /tmp (kiln's engines keep theirs beside the engine).
 export TORCHINDUCTOR_CACHE_DIR=/tmp/kiln_inductor TRITON_CACHE_DIR=/tmp/kiln_triton
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm --format=csv
-  python3 -c "import torch, transformers, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
-  nproc
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
 for step in "$@"; do
   case "$step" in
     bench) timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.gpu_static_kv.bench_cuda --out "$OUT" --budget-s "${BENCH_BUDGET:-400}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
