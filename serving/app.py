@@ -145,39 +145,28 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
         body = handlers.model_list(engine, follower.source.alias)
         return JSONResponse(body.model_dump(), headers={VERSION_HEADER: engine.version})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def _serve(request: Request, parse, prepare, stream, complete) -> Response:
+        """A completions-style route: parse the body, queue its sequences on the served engine
+        (`prepare(parsed, engine, max_tokens)`: their prompts and sampling), then stream or answer."""
         started = time.monotonic()
         try:
             _authorize(request, settings)
-            completion = handlers.parse_completion(await _body(request, settings.max_body_bytes), settings.max_tokens, settings.max_n)
-            sampling = handlers.completion_sampling(completion)
-            engine, job = _submit(completion, started, lambda engine: (handlers.completion_prompts(completion, engine), sampling))
+            parsed = parse(await _body(request, settings.max_body_bytes), settings.max_tokens, settings.max_n)
+            engine, job = _submit(parsed, started, lambda engine: prepare(parsed, engine, settings.max_tokens))
         except ApiError as err:
             metrics.requests.labels(_outcome(err)).inc()
             raise
-        if completion.stream:
-            return EventStream(_streamed(handlers.stream(engine, job, completion), job, metrics), headers={VERSION_HEADER: engine.version})
-        return await _answered(handlers.complete(engine, job, completion), engine, job)
+        if parsed.stream:
+            return EventStream(_streamed(stream(engine, job, parsed), job, metrics), headers={VERSION_HEADER: engine.version})
+        return await _answered(complete(engine, job, parsed), engine, job)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(request, handlers.parse_completion, handlers.completion_prepared, handlers.stream, handlers.complete)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        started = time.monotonic()
-        try:
-            _authorize(request, settings)
-            chat = handlers.parse_chat(await _body(request, settings.max_body_bytes), settings.max_tokens, settings.max_n)
-
-            def prepared(engine: ServedEngine):
-                prompt = handlers.chat_prompt(chat, engine)
-                return [prompt], handlers.chat_sampling(chat, handlers.chat_max_tokens(chat, prompt, engine, settings.max_tokens))
-
-            engine, job = _submit(chat, started, prepared)
-        except ApiError as err:
-            metrics.requests.labels(_outcome(err)).inc()
-            raise
-        if chat.stream:
-            return EventStream(_streamed(handlers.stream_chat(engine, job, chat), job, metrics), headers={VERSION_HEADER: engine.version})
-        return await _answered(handlers.complete_chat(engine, job, chat), engine, job)
+        return await _serve(request, handlers.parse_chat, handlers.chat_prepared, handlers.stream_chat, handlers.complete_chat)
 
     async def _answered(answer, engine: ServedEngine, job: handlers.Submitted) -> Response:
         try:

@@ -217,19 +217,25 @@ def submit(prompts: list[Prompt], sampling: Sampling, request: CompletionRequest
     return Submitted(sequences, prompts, request.n, events, started)
 
 
-def completion_sampling(request: CompletionRequest) -> Sampling:
+def completion_prepared(request: CompletionRequest, served: ServedEngine, server_limit: int) -> tuple[list[Prompt], Sampling]:
+    """A completion's prompts on the served engine, and how to sample them."""
     asked = request.logprobs
-    return Sampling(
+    sampling = Sampling(
         max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos,
         logprobs=asked, prompt_logprobs=asked if request.echo else None,
     )  # fmt: skip
+    return completion_prompts(request, served), sampling
 
 
-def chat_sampling(request: ChatCompletionRequest, max_tokens: int) -> Sampling:
-    return Sampling(
-        max_new_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos,
-        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+def chat_prepared(request: ChatCompletionRequest, served: ServedEngine, server_limit: int) -> tuple[list[Prompt], Sampling]:
+    """A chat's rendered prompt on the served engine, and how to sample it (max_tokens by
+    default: what the server and the engine's context leave)."""
+    prompt = chat_prompt(request, served)
+    sampling = Sampling(
+        max_new_tokens=chat_max_tokens(request, prompt, served, server_limit), temperature=request.temperature, top_p=request.top_p,
+        seed=request.seed, stop_at_eos=not request.ignore_eos, logprobs=(request.top_logprobs or 0) if request.logprobs else None,
     )  # fmt: skip
+    return [prompt], sampling
 
 
 def _busy(message: str, code: str) -> ApiError:
