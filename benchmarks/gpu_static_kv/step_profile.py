@@ -28,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_static_kv.fused_ab import bench_engine
+from components.runtime.static_kv import captured
 
 STEPS = 32
 
@@ -48,14 +49,7 @@ if triton is not None:
 
 
 def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = captured(body)
     torch.cuda.synchronize()
     return graph
 

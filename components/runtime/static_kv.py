@@ -603,17 +603,23 @@ class LogitsStepGraphs:
         self.logits[:width].copy_(logits[:, 0])
 
     def _capture(self, width: int, attended: int) -> torch.cuda.CUDAGraph:
-        # The eager warm-up run computes this very step (capture needs one run first); the
-        # replay that follows writes the same keys and values again.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._body(width, attended)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._body(width, attended)
-        return graph
+        # The eager warm-up run computes this very step; the replay that follows writes the
+        # same keys and values again.
+        return captured(lambda: self._body(width, attended), self._pool)
+
+
+def captured(body: Callable[[], None], pool=None) -> torch.cuda.CUDAGraph:
+    """`body` captured in a CUDA graph, after the one eager run on a side stream that capture
+    needs (it compiles kernels and creates cuBLAS handles); graphs sharing `pool` share memory."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph
 
 
 def _round_up(n: int, m: int) -> int:
@@ -740,14 +746,7 @@ class StaticKVRunner:
         if graph is None:
             saved = [t.clone() for t in (self.tokens, self.positions, self.active)]
             freeze()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                body()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                body()
+            graph = captured(body, self._pool)
             for t, s in zip((self.tokens, self.positions, self.active), saved):
                 t.copy_(s)
             self._graphs[key] = graph
