@@ -191,11 +191,11 @@ def test_unrepresentative_calibration_costs_quality_that_the_gate_measures(proje
 
 
 def test_the_same_model_makes_the_same_bytes_at_every_stage_in_another_checkout(tmp_path, project, params, tiny_model, exported, data_version, calibration):
-    """The README's claim, as far as one machine can check it: from the same model directory,
+    """docs/reproducibility.md's claim, as far as one machine can check it: from the same model directory,
     another folder (another checkout, another worker of the pool on this CPU) gets the same
     ONNX export, calibration set, int8 graph and engine, byte for byte, so registering it
     again creates nothing. (Across CPUs: the int8 stage gave the same bytes on an AMD EPYC and
-    an Intel Xeon with AMX; training does not, see the README.)"""
+    an Intel Xeon with AMX; training does not, see there.)"""
     from components.build import engine_from_onnx
     from components.calibrate import calibration_set_from_pool
     from components.export import onnx_from_model
