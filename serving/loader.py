@@ -75,6 +75,7 @@ def load_warm(pulled: PulledVersion, threads: int | None = None) -> Engine:
     engine = load(pulled, threads=threads)
     try:
         engine.generate([[engine.manifest.eos_token_id]], Sampling(max_new_tokens=2, stop_at_eos=False))
+        engine.prepare_to_serve()
     except Exception as err:  # ShapeOutOfProfile or the backend's own error type alike
         engine.close()
         raise VersionRefused(f"{pulled.label} is refused: its warm-up generation failed: {err}") from err

@@ -1,9 +1,11 @@
 """Continuous batching: concurrent requests share the engine's decode steps.
 
 One thread owns the engine (vLLM's shape, FACTS.md). Each turn it drops sequences whose
-clients left, admits waiting ones (one prefill for all of them, whose caches then join the
-running batch), runs one decode step for every running sequence, and retires each finished
-sequence at once. The batch never exceeds the engine's profile; the waiting line is
+clients left, runs the decode steps of the turn for every running sequence, admits waiting
+ones (one prefill for all of them, whose caches then join the running batch), and retires
+each finished sequence at once. A turn is one step where the host samples; where the
+device samples (the torch-cuda engine), a turn nobody waits on takes several steps in one
+graph (see `_turn_steps`). The batch never exceeds the engine's profile; the waiting line is
 bounded, and a full line is refused at once (the server answers 503 with Retry-After).
 
 Each sequence samples with its own settings and seed and stops on its own conditions;
@@ -24,9 +26,9 @@ import numpy as np
 
 from components.engine_dir import EngineManifest
 from components.errors import KilnError, ShapeOutOfProfile
-from components.runtime.engine import DecodeState, Engine, left_pad
+from components.runtime.engine import DecodeState, Engine, Picked, left_pad
 from components.runtime.logprobs import TokenLogprob, logprobs_of
-from components.runtime.sampling import Sampling, pick_each
+from components.runtime.sampling import Draws, Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from serving.text import TextStream
 
@@ -132,16 +134,12 @@ class _Held:
 
     seq: Sequence
     text: TextStream
-    _rng: np.random.Generator | None = None
+    draws: Draws
 
     @property
-    def rng(self) -> np.random.Generator:
-        """Made on first use, and used only by rows that sample: greedy sequences never
-        draw, and seeding one from the OS's entropy takes ~10 µs, more than the rest of a
-        sequence's submit."""
-        if self._rng is None:
-            self._rng = self.seq.sampling.generator()
-        return self._rng
+    def left(self) -> int:
+        """Tokens it may still generate."""
+        return self.seq.sampling.max_new_tokens - len(self.seq.generated)
 
 
 class Scheduler:
@@ -185,7 +183,7 @@ class Scheduler:
                 self._waiting = deque(r for r in self._waiting if not r.seq.cancelled)
             if len(self._waiting) + len(sequences) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (limit {self.max_waiting})")
-            self._waiting.extend(_Held(s, TextStream(self._tokenizer.stream_decoder(), s.stops)) for s in sequences)
+            self._waiting.extend(_Held(s, TextStream(self._tokenizer.stream_decoder(), s.stops), Draws(s.sampling)) for s in sequences)
             self._wake.notify()
 
     @property
@@ -225,19 +223,32 @@ class Scheduler:
             self._observe(self._live, len(self._waiting), decoded)
 
     def _turn(self) -> int:
-        """One decode step for the running batch, then admissions; returns the rows decoded."""
+        """The turn's decode steps for the running batch, then admissions; returns the rows decoded."""
         self._release([row for row, r in enumerate(self._running) if r is not None and r.seq.cancelled])
         self._compact_if_wasteful()
         decoded = len(self._running)
         if decoded:
-            logits, self._state = self.engine.decode(self._state, self._next)
-            self._advance(logits, rows=list(range(decoded)))
+            draws = [r.draws for r in self._running]
+            picked, self._state = self.engine.decode_turn(self._state, self._next, draws, self._turn_steps())
+            self._advance(picked, rows=list(range(decoded)))
         admitted = self._take_waiting()
         if admitted:
             self._prefill(admitted)
         if self._free:
             self._compact()
         return decoded
+
+    def _turn_steps(self) -> int:
+        """1 where the host samples, or while someone waits and the batch has room (the
+        newcomer joins at the end of this turn); else as many steps as every running row
+        still may take (with a full batch, the turn ends when the first row can leave), at
+        most the engine's `max_turn_steps`, rounded down to a power of two (few graphs to
+        capture). A row that stops early (end of text, a stop string) drops the rest of its
+        turn's tokens."""
+        if self.engine.max_turn_steps == 1 or (self._waiting and self._live < self.max_batch):
+            return 1
+        steps = min(min(r.left for r in self._running), self.engine.max_turn_steps)
+        return 1 << (max(steps, 1).bit_length() - 1)
 
     def _take_waiting(self) -> list[_Held]:
         with self._wake:
@@ -263,7 +274,7 @@ class Scheduler:
                 r.seq.prompt_logprobs = _prompt_logprobs(logits[index], r.seq.prompt, r.seq.sampling.prompt_logprobs)
         rows = self._place(admitted, state)
         self._live += len(admitted)
-        self._advance(logits[:, -1], rows)
+        self._advance(self.engine.pick(logits[:, -1], [r.draws for r in admitted]), rows)
 
     def _place(self, admitted: list[_Held], state: DecodeState) -> list[int]:
         """Put the prefilled sequences in the batch: into free slots in place while there
@@ -289,46 +300,48 @@ class Scheduler:
             return free + list(range(first, len(self._running)))
         return free
 
-    def _advance(self, logits: np.ndarray, rows: list[int]) -> None:
-        """Pick each row's next token with its own sampling (`logits`: one row each, in
-        `rows`' order); emit it; free the finished rows."""
+    def _advance(self, picked: Picked, rows: list[int]) -> None:
+        """Take each row's picked tokens (`picked`: one row each, in `rows`' order) until it
+        finishes; emit its turn's text at once; free the finished rows."""
         done = []
-        running = [self._running[row] for row in rows]
-        samplings = [r.seq.sampling for r in running]
-        tokens, failed = pick_each(logits, samplings, [None if s.greedy else r.rng for r, s in zip(running, samplings, strict=True)])
-        now = time.monotonic()  # one clock read for the step's tokens: they became known together
-        for index, (row, r, token) in enumerate(zip(rows, running, tokens.tolist(), strict=True)):
-            if index in failed:
+        now = time.monotonic()  # one clock read for the turn's tokens: they became known together
+        for index, (row, tokens) in enumerate(zip(rows, picked.tokens.tolist(), strict=True)):
+            r = self._running[row]
+            if index in picked.failed:
                 done.append(row)
-                r.seq.emit(Failed(failed[index]))
+                r.seq.emit(Failed(picked.failed[index]))
                 continue
-            self._next[row] = token
-            reason = self._accept(r, token, logits[index], now)
+            r.draws.drawn += len(tokens)
+            self._next[row] = tokens[-1]
+            logprobs, text, before, reason = picked.logprobs.get(index), [], len(r.seq.generated), None
+            for step, token in enumerate(tokens):
+                reason = self._accept(r, token, logprobs[step] if logprobs else None, now, text)
+                if reason:
+                    break
             if reason:
                 done.append(row)
-                rest = r.text.finish()
-                if rest and r.seq.stream:
-                    r.seq.emit(Delta(rest, len(r.seq.generated)))
+                text.append(r.text.finish())
+            if r.seq.stream and (len(r.seq.generated) > before or any(text)):
+                r.seq.emit(Delta("".join(text), len(r.seq.generated)))
+            if reason:
                 r.seq.text = r.text.text
                 r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated)))
         self._release(done)
 
-    def _accept(self, r: _Held, token: int, logits: np.ndarray, now: float) -> str | None:
-        """Add a token to the sequence (`logits`: its step's row); the finish reason if it
-        ends here. A sequence of max_tokens 0 (a prompt scored with `echo`) takes none."""
+    def _accept(self, r: _Held, token: int, logprob: TokenLogprob | None, now: float, text: list[str]) -> str | None:
+        """Add a token to the sequence, its text to `text`; the finish reason if it ends
+        here. A sequence of max_tokens 0 (a prompt scored with `echo`) takes none."""
         seq = r.seq
         if seq.sampling.max_new_tokens == 0:
             return "length"
         if seq.sampling.stop_at_eos and token in self.engine.manifest.stop_ids:
             return "stop"
         seq.generated.append(token)
-        if seq.sampling.logprobs is not None:
-            seq.logprobs += logprobs_of(logits[None], [token], seq.sampling.logprobs)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         seq.last_token_at = now
         seq.first_token_at = seq.first_token_at or seq.last_token_at
-        delta = r.text.add(token)
-        if seq.stream:
-            seq.emit(Delta(delta, len(seq.generated)))
+        text.append(r.text.add(token))
         if r.text.stopped:
             return "stop"
         if len(seq.generated) >= seq.sampling.max_new_tokens:

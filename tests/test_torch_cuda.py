@@ -283,6 +283,85 @@ def test_the_schedulers_log_probabilities_are_the_onnx_runtime_engines_prompt_an
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def test_device_sampling_draws_from_the_nucleus_at_the_temperature_and_greedy_rows_take_the_argmax():
+    from components.runtime.torch_sampling import sample_rows
+
+    rows = 40_000
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(rows, 1)
+    drawn = sample_rows(logits, torch.full((rows,), 0.8), torch.full((rows,), 0.9), torch.full((rows,), 7), torch.arange(rows))
+    probs = torch.softmax(logits[0] / 0.8, -1)
+    nucleus = probs[:3] / probs[:3].sum()  # 0.647 + 0.185 < 0.9 <= + 0.099: three tokens kept
+    assert np.allclose(np.bincount(drawn.numpy(), minlength=5) / rows, [*nucleus.tolist(), 0, 0], atol=0.01)
+    temperature = torch.tensor([0.0, 0.0, 1.0])
+    picked = sample_rows(torch.tensor([[0.0, 3.0, 1.0]] * 3), temperature, torch.ones(3), torch.arange(3), torch.zeros(3, dtype=torch.long))
+    assert picked[:2].tolist() == [1, 1]
+
+
+def test_a_rows_draw_is_its_streams_whatever_its_batch_and_survives_last_bit_differences_in_its_logits():
+    """Draw n of a row depends on its key and n alone (not on the rows beside it), and the
+    Gumbel-max draw keeps its token when another batch width's kernels change the logits
+    in their last bits."""
+    from components.runtime.torch_sampling import sample_rows
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 50_257, generator=generator) * 0.5  # near-flat, as a random-weight model's
+    temperature, top_p, keys, counters = torch.full((32,), 0.8), torch.full((32,), 0.95), torch.arange(32) * 7919, torch.arange(32)
+    together = sample_rows(logits, temperature, top_p, keys, counters)
+    alone = [sample_rows(logits[i : i + 1], temperature[:1], top_p[:1], keys[i : i + 1], counters[i : i + 1]).item() for i in range(32)]
+    assert together.tolist() == alone
+    nudged = logits + torch.randn(logits.shape, generator=generator) * 1e-3
+    assert (sample_rows(nudged, temperature, top_p, keys, counters) == together).float().mean() >= 0.95
+    assert (sample_rows(logits, temperature, top_p, keys, counters + 1) != together).any()  # the next draw is another
+
+
+class Recorder:
+    """A sequence's `emit`: keeps its events, and says when it has finished."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.events: list = []
+        self.finished = threading.Event()
+
+    def __call__(self, event) -> None:
+        from serving.scheduler import Failed, Finished
+
+        self.events.append(event)
+        if isinstance(event, (Finished, Failed)):
+            self.finished.set()
+
+
+def test_a_turn_nobody_waits_on_takes_several_steps_on_the_device_and_keeps_every_answer(cpu_engine_dir, engine, engine_dir):
+    """Where the device samples, one call runs up to 16 steps (one host round trip for
+    all): greedy answers stay the ONNX Runtime engine's, a stop string met mid-turn ends the
+    answer exactly there, and a stream gets one delta per turn."""
+    from components.runtime import open_engine
+    from serving.scheduler import Delta, Finished, Scheduler, Sequence
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    torch_engine_ = open_engine(cpu_engine_dir)
+    turns: list[int] = []
+    decode_turn = torch_engine_.decode_turn
+    torch_engine_.decode_turn = lambda state, ids, draws, steps: turns.append(steps) or decode_turn(state, ids, draws, steps)
+    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=8)
+    greedy = Sampling(max_new_tokens=37, stop_at_eos=False)
+    prompt = tokenizer.encode("The list type is")
+    whole = engine.generate([prompt], greedy)[0]
+    text, stop = tokenizer.decode(whole), tokenizer.decode(whole[20:22])  # in the second 16-step turn
+    plain, stopped = Sequence(prompt, greedy, Recorder()), Sequence(prompt, greedy, Recorder(), stops=(stop,))
+    scheduler.submit([plain])
+    assert plain.emit.finished.wait(60)
+    assert turns == [16, 16, 4]  # 37 tokens: the prefill's first, then 36 in three turns
+    assert plain.generated == whole and plain.text == text
+    deltas = [e for e in plain.emit.events if isinstance(e, Delta)]
+    assert len(deltas) == 4 and "".join(d.text for d in deltas) == text
+    scheduler.submit([stopped])
+    assert stopped.emit.finished.wait(60)
+    assert stopped.text == text[: text.index(stop)] and stopped.emit.events[-1].reason == "stop"
+    assert stopped.generated == whole[: len(stopped.generated)] and len(stopped.generated) <= 22
+    assert isinstance(stopped.emit.events[-1], Finished) and scheduler.close(timeout=10)
+
+
 def test_its_registry_tags_and_version_page_say_what_it_was_built_from_and_for(cpu_engine_dir, params, tiny_model):
     from components.gates import GateReport, GateResult
     from flows.lineage import version_description, version_tags

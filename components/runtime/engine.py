@@ -14,7 +14,8 @@ import numpy as np
 
 from components.engine_dir import LOGITS_POSITIONS, EngineDir
 from components.errors import ShapeOutOfProfile
-from components.runtime.sampling import Sampling, pick_next
+from components.runtime.logprobs import TokenLogprob, logprobs_of
+from components.runtime.sampling import Draws, Sampling, pick_each, pick_next
 
 
 @dataclass
@@ -84,9 +85,24 @@ def _stacked_right_aligned(top: np.ndarray, bottom: np.ndarray, width: int, axis
 _ONLY_POSITION = np.zeros(1, np.int64)  # a decode step's one new position
 
 
+@dataclass(frozen=True)
+class Picked:
+    """The tokens a turn picked: (rows, steps); for the rows that asked, their log
+    probabilities (one per step); rows whose draw failed, with the reason (their tokens
+    mean nothing)."""
+
+    tokens: np.ndarray
+    logprobs: dict[int, list[TokenLogprob]]
+    failed: dict[int, str]
+
+
 class Engine(ABC):
     """A loaded engine. Use it as a context manager (or call `close`) to free what the
     backend holds: a session, device buffers, streams."""
+
+    # Decode steps one `decode_turn` may take: 1 where the host samples every token; more
+    # where the device samples and runs several steps in one graph.
+    max_turn_steps = 1
 
     def __init__(self, engine_dir: EngineDir) -> None:
         self.engine_dir = engine_dir
@@ -144,6 +160,29 @@ class Engine(ABC):
         positions = state.last_position + 1
         logits, cache = self.forward(next_ids.reshape(-1, 1).astype(np.int64), mask, positions, state.cache, _ONLY_POSITION)
         return logits[:, -1], DecodeState(cache, mask, positions)
+
+    def prepare_to_serve(self) -> None:
+        """Whatever serving's first requests would otherwise pay for (kiln serve calls it
+        once, after loading): nothing for engines that run each shape as it comes."""
+
+    def pick(self, logits: np.ndarray, draws: list[Draws]) -> Picked:
+        """Row i's next token from `logits` (rows, vocab) with `draws[i]`'s own sampling
+        (continuous batching mixes requests), and its log probabilities where asked."""
+        tokens, failed = pick_each(logits, [d.sampling for d in draws], [None if d.sampling.greedy else d.rng for d in draws])
+        logprobs = {
+            row: logprobs_of(logits[row : row + 1], [int(tokens[row])], d.sampling.logprobs)
+            for row, d in enumerate(draws)
+            if d.sampling.logprobs is not None and row not in failed
+        }
+        return Picked(tokens[:, None], logprobs, failed)
+
+    def decode_turn(self, state: DecodeState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1) -> tuple[Picked, DecodeState]:
+        """`steps` (at most `max_turn_steps`) decode steps for every row, each sampling with
+        its own draws; what they picked, and the state after the last step."""
+        if steps != 1:
+            raise ValueError(f"{type(self).__name__} samples on the host: one step a turn, not {steps}")
+        logits, state = self.decode(state, next_ids)
+        return self.pick(logits, draws), state
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """New token ids for each prompt (left-padded into one batch), without the prompt."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,6 +46,36 @@ class Sampling:
     def greedy(self) -> bool:
         """Picks the argmax and draws no random numbers (so needs no generator)."""
         return self.temperature <= 0
+
+
+@dataclass(eq=False)
+class Draws:
+    """One sequence's random stream as an engine's steps use it: its sampling, and how many
+    tokens it has drawn. Host engines draw from a numpy generator; device engines from a
+    counter-based stream keyed by `key` (runtime.torch_sampling), where draw n is the same
+    whatever batch or turn the sequence is in."""
+
+    sampling: Sampling
+    drawn: int = 0
+    _rng: np.random.Generator | None = field(default=None, repr=False)
+    _key: int | None = field(default=None, repr=False)
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """Made on first use, and used only by rows that sample: greedy sequences never
+        draw, and seeding one from the OS's entropy takes ~10 µs, more than the rest of a
+        sequence's submit."""
+        if self._rng is None:
+            self._rng = self.sampling.generator()
+        return self._rng
+
+    @property
+    def key(self) -> int:
+        """A 62-bit key: from the seed and `seed_stream`, or from the OS's entropy when unseeded."""
+        if self._key is None:
+            seed = self.sampling.seed
+            self._key = secrets.randbits(62) if seed is None else (seed * 1_000_003 + self.sampling.seed_stream) % (1 << 62)
+        return self._key
 
 
 def pick_next(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:

@@ -34,6 +34,7 @@ import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -608,6 +609,129 @@ class LogitsStepGraphs:
         return captured(lambda: self._body(width, attended), self._pool)
 
 
+class PrefillGraphs:
+    """Prompts into their slots and each row's last-position logits to the host (fp32), on
+    CUDA one graph per (row width, prompt width): kiln serve's admissions at the speed of
+    `generate`'s prefill (eagerly, the program's Python costs ~10 ms for GPT-2-small on an
+    H200). `ids` and `positions` are (width, prompt width) on the host; rows that are not
+    prompts write to the scratch column.
+    """
+
+    def __init__(self, runner: StaticKVRunner, vocab_size: int) -> None:
+        self.runner = runner
+        self.logits = torch.zeros(runner.S, vocab_size, dtype=torch.float32, device=runner.device)
+        self._inputs: dict[tuple[int, int], Tensor] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if runner.use_graphs else None
+
+    @torch.no_grad()
+    def __call__(self, ids: Tensor, positions: Tensor) -> Tensor:
+        runner, key = self.runner, tuple(ids.shape)
+        inputs = self._inputs.get(key)
+        if inputs is None:
+            inputs = self._inputs[key] = torch.zeros(2, *key, dtype=torch.long, device=runner.device)
+        inputs.copy_(torch.stack([ids, positions]), non_blocking=True)
+        if not runner.use_graphs:
+            self._body(inputs)
+        else:
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = captured(lambda: self._body(inputs), self._pool)
+            graph.replay()
+        return self.logits[: key[0]].cpu()
+
+    def _body(self, inputs: Tensor) -> None:
+        runner, (width, prompt) = self.runner, inputs.shape[1:]
+        last = runner.key_range[prompt - 1 : prompt].expand(width, 1)
+        bias = causal_bias(inputs[1], runner.key_range[:prompt], runner.dtype)
+        logits = runner.model(inputs[0], inputs[1], bias, last, runner.k_cache, runner.v_cache)
+        self.logits[:width].copy_(logits[:, 0])
+
+
+class SampledStepGraphs:
+    """k decode steps for rows 0..B-1 of a runner's cache, each row sampling its next token
+    on the device with its own temperature, top-p and counter-based stream
+    (runtime.torch_sampling), log probabilities computed there where asked; on CUDA one
+    graph per (row width, attended length, k, with log probabilities), so only token ids
+    (and asked-for log probabilities) cross to the host, once per k steps.
+
+    Rows past B up to the width are free slots: their token writes to the scratch column.
+    """
+
+    MAX_TOP = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs)
+
+    def __init__(self, runner: StaticKVRunner) -> None:
+        self.runner = runner
+        S, K, device = runner.S, runner.max_chunk, runner.device
+        self.ids = torch.zeros(S, 1, dtype=torch.long, device=device)
+        self.positions = torch.full((S, 1), runner.T, dtype=torch.long, device=device)
+        self.picked = torch.zeros(S, 1, dtype=torch.long, device=device)
+        self.keys = torch.zeros(S, dtype=torch.long, device=device)
+        self.counters = torch.zeros(S, dtype=torch.long, device=device)
+        self.temperature = torch.zeros(S, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(S, dtype=torch.float32, device=device)
+        self.out = torch.zeros(S, K, dtype=torch.long, device=device)
+        self.chosen_logprob = torch.zeros(S, K, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(S, K, self.MAX_TOP, dtype=torch.long, device=device)
+        self.top_logprob = torch.zeros(S, K, self.MAX_TOP, dtype=torch.float32, device=device)
+        self._graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if runner.use_graphs else None
+
+    @torch.no_grad()
+    def __call__(
+        self, next_ids: Sequence[int], positions: Sequence[int], settings: Sequence[tuple[float, float, int, int]], steps: int, logprobs: bool
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """Tokens (B, steps) on the host, and with `logprobs` (chosen (B, steps), top ids and
+        values (B, steps, MAX_TOP)); `settings`: each row's (temperature, top_p, key, draws so far)."""
+        runner, B = self.runner, len(next_ids)
+        width, attended = runner._width(B - 1), runner._attn_len(max(positions) + steps)
+        temperature, top_p, keys, counters = zip(*settings, strict=True)
+        longs = torch.tensor([list(next_ids), list(positions), list(keys), list(counters)], dtype=torch.long)
+        floats = torch.tensor([temperature, top_p], dtype=torch.float32)
+        longs, floats = longs.to(runner.device, non_blocking=True), floats.to(runner.device, non_blocking=True)
+        self.ids[:B, 0].copy_(longs[0])
+        self.positions[:B, 0].copy_(longs[1])
+        self.keys[:B].copy_(longs[2])
+        self.counters[:B].copy_(longs[3])
+        self.temperature[:B].copy_(floats[0])
+        self.top_p[:B].copy_(floats[1])
+        self.positions[B:width].fill_(runner.T)  # free slots: scratch
+        self.temperature[B:width].zero_()
+        key = (width, attended, steps, logprobs)
+        if not runner.use_graphs:
+            self._body(*key)
+        else:
+            graph = self._graphs.get(key)
+            if graph is None:
+                saved = (self.ids.clone(), self.positions.clone())
+                graph = self._graphs[key] = captured(lambda: self._body(*key), self._pool)
+                self.ids.copy_(saved[0])  # the warm-up and capture advanced them
+                self.positions.copy_(saved[1])
+            graph.replay()
+        tokens = self.out[:B, :steps].cpu().numpy()
+        if not logprobs:
+            return tokens, None
+        return tokens, (self.chosen_logprob[:B, :steps].cpu().numpy(), self.top_ids[:B, :steps].cpu().numpy(), self.top_logprob[:B, :steps].cpu().numpy())
+
+    def _body(self, width: int, attended: int, steps: int, logprobs: bool) -> None:
+        from components.runtime.torch_sampling import sample_rows, top_logprobs
+
+        runner = self.runner
+        ids, positions, keys, counters = self.ids[:width], self.positions[:width], self.keys[:width], self.counters[:width]
+        for i in range(steps):
+            bias = causal_bias(positions, runner.key_range[:attended], runner.dtype)
+            logits = runner.model(ids, positions, bias, self.picked[:width], runner.k_cache, runner.v_cache)[:, 0]
+            tokens = sample_rows(logits, self.temperature[:width], self.top_p[:width], keys, counters + i)
+            self.out[:width, i].copy_(tokens)
+            if logprobs:
+                chosen, top_ids, top_values = top_logprobs(logits, tokens, self.MAX_TOP)
+                self.chosen_logprob[:width, i].copy_(chosen)
+                self.top_ids[:width, i].copy_(top_ids)
+                self.top_logprob[:width, i].copy_(top_values)
+            ids[:, 0].copy_(tokens)
+            positions.copy_((positions + 1).clamp(max=runner.T))  # free slots stay on the scratch column
+
+
 def captured(body: Callable[[], None], pool=None) -> torch.cuda.CUDAGraph:
     """`body` captured in a CUDA graph, after the one eager run on a side stream that capture
     needs (it compiles kernels and creates cuBLAS handles); graphs sharing `pool` share memory."""
@@ -774,6 +898,24 @@ class StaticKVRunner:
         # Frozen rows keep token and position; their k/v writes at unchanged positions
         # are rewritten by the next real step before anything reads them.
         self._run(("decode", B, A, k), body, freeze=self.active.zero_)
+
+    @torch.no_grad()
+    def decode_rows(self, next_ids: Sequence[int], positions: Sequence[int], steps: int) -> np.ndarray:
+        """`steps` greedy steps for rows 0..B-1 fed `next_ids` at `positions` (kiln serve's
+        sequences, whose prompts were prefilled into those slots): the same k-step graphs
+        as `generate`. Their tokens (B, steps) on the host."""
+        B = len(next_ids)
+        width, attended = self._width(B - 1), self._attn_len(max(positions) + steps)
+        state = torch.tensor([list(next_ids), list(positions)], dtype=torch.long).to(self.device, non_blocking=True)
+        self.tokens[:B].copy_(state[0])
+        self.positions[:B].copy_(state[1])
+        self.active[:B].fill_(True)
+        self.active[B:width].fill_(False)
+        self.positions[B:width].fill_(self.T)  # free slots: scratch
+        self._decode_chunk(width, attended, steps)
+        tokens = self.out[:B, :steps].cpu().numpy()
+        self.active.zero_()
+        return tokens
 
     def _prefill(self, B: int, P: int, A: int, packed_host: Tensor) -> None:
         packed = self._prefill_inputs.get((B, P))

@@ -7,11 +7,13 @@ positions. Two ways through the same program:
   components.runtime.static_kv batches prompts continuously over the slots, with prefill and
   k-step greedy decode captured in CUDA graphs (Inductor-compiled; one-row steps through the
   Triton kernels of components.runtime.triton_decode where Triton is installed).
-* `prefill` and `decode` (kiln serve's scheduler): one step at a time, each sequence in a
-  slot of the same cache (`SlotState`), the logits of each step on the host so that every
-  request samples with its own settings. Rows are slots 0..n-1 in order: a prefill fills
-  the next free slots, and dropping rows moves the later ones down (the program reads
-  `cache[:, :rows]` as a view, never a gather).
+* `prefill` and `decode_turn` (kiln serve's scheduler): each sequence in a slot of the same
+  cache (`SlotState`); a turn runs up to `max_turn_steps` steps in one graph and samples
+  every row on the device with its own settings (components.runtime.torch_sampling), so
+  only token ids cross to the host. Rows are slots 0..n-1 in order: a prefill fills the
+  next free slots, and dropping rows moves the later ones down (the program reads
+  `cache[:, :rows]` as a view, never a gather). `decode` hands one step's logits to the
+  host instead.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import numpy as np
 
 from components.engine_dir import EngineDir, EngineManifest
 from components.errors import BackendUnavailable, EngineError, ShapeOutOfProfile
-from components.runtime.engine import Engine
-from components.runtime.sampling import Sampling
-from components.runtime.static_kv import LogitsStepGraphs, left_padded_positions
+from components.runtime.engine import Engine, Picked
+from components.runtime.logprobs import TokenLogprob, logprobs_of
+from components.runtime.sampling import Draws, Sampling
+from components.runtime.static_kv import LogitsStepGraphs, PrefillGraphs, SampledStepGraphs, left_padded_positions
 
 
 def device_for(manifest: EngineManifest) -> str:
@@ -67,7 +70,13 @@ class TorchCudaEngine(Engine):
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
         self.runner = self._runner()
-        self._step = LogitsStepGraphs(self.runner, self.manifest.vocab_size)  # kiln serve's decode step
+        self._step = LogitsStepGraphs(self.runner, self.manifest.vocab_size)  # `decode`: logits to the host
+        self._sampled = SampledStepGraphs(self.runner)  # kiln serve's turns of sampled rows
+        self._prefill_graphs = PrefillGraphs(self.runner, self.manifest.vocab_size)  # and its admissions
+        # A request that arrives mid-turn waits for the turn's end: 16 steps bound what that
+        # adds to its time to first token (~3 ms for GPT-2-small on an H200) while sharing
+        # a turn's one round trip to the host among 16 tokens.
+        self.max_turn_steps = min(16, self.runner.max_chunk)
         self._held = 0  # slots 0.._held-1 belong to step-wise sequences (prefill/decode)
 
     def _runner(self):
@@ -109,14 +118,35 @@ class TorchCudaEngine(Engine):
         """Left-padded prompts into the next free slots; the logits of each row's last token,
         (batch, 1, vocab), or of every position, and their state (join it to the running
         one: `state.joined`)."""
+        self._check_context(input_ids.shape)
+        B, held = len(input_ids), self._held
+        if held + B > self.runner.S:
+            raise ShapeOutOfProfile(f"{held} sequences hold slots and {B} more do not fit the engine's {self.runner.S}")
+        logits = self._prefill_every_position(input_ids, attention_mask) if every_position else self._prefill_last(input_ids, attention_mask)
+        self._held = held + B
+        return logits, SlotState(self, list(range(held, held + B)), attention_mask.sum(axis=1).astype(np.int64))
+
+    def _prefill_last(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Through the prefill graphs: rows and prompt width rounded up (more left padding,
+        which writes to the scratch column) so that few graphs serve every admission."""
+        import torch
+
+        runner, (B, P), held = self.runner, input_ids.shape, self._held
+        width, prompt = runner._width(held + B - 1), min(-(-P // runner.prompt_bucket) * runner.prompt_bucket, runner.T)
+        ids = torch.zeros(width, prompt, dtype=torch.long)
+        positions = torch.full((width, prompt), runner.T, dtype=torch.long)
+        ids[held : held + B, prompt - P :] = torch.from_numpy(input_ids)
+        positions[held : held + B, prompt - P :] = left_padded_positions(torch.from_numpy(attention_mask), scratch=runner.T)
+        return self._prefill_graphs(ids, positions)[held : held + B, None].numpy()
+
+    def _prefill_every_position(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Eagerly (`echo` with logprobs scores a prompt: rare, and every position's logits
+        are (rows, prompt, vocab) on the host anyway)."""
         import torch
 
         from components.runtime.static_kv import causal_bias
 
-        self._check_context(input_ids.shape)
         runner, (B, P), held = self.runner, input_ids.shape, self._held
-        if held + B > runner.S:
-            raise ShapeOutOfProfile(f"{held} sequences hold slots and {B} more do not fit the engine's {runner.S}")
         # Rows 0..held-1 are the running sequences: their tokens go to the scratch column.
         ids = torch.zeros(held + B, P, dtype=torch.long, device=self.device)
         ids[held:] = torch.as_tensor(input_ids, device=self.device)
@@ -124,25 +154,63 @@ class TorchCudaEngine(Engine):
         positions[held:] = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=runner.T)
         with torch.no_grad():
             bias = causal_bias(positions, runner.key_range[:P], runner.dtype)
-            if every_position:
-                last = torch.arange(P, device=self.device).expand(held + B, P)
-            else:
-                last = torch.full((held + B, 1), P - 1, dtype=torch.long, device=self.device)
-            logits = runner.model(ids, positions, bias, last, runner.k_cache, runner.v_cache)[held:]
-        self._held = held + B
-        return logits.float().cpu().numpy(), SlotState(self, list(range(held, held + B)), attention_mask.sum(axis=1).astype(np.int64))
+            every = torch.arange(P, device=self.device).expand(held + B, P)
+            logits = runner.model(ids, positions, bias, every, runner.k_cache, runner.v_cache)[held:]
+        return logits.float().cpu().numpy()
 
     def decode(self, state: SlotState, next_ids: np.ndarray) -> tuple[np.ndarray, SlotState]:
         """One token for every held slot; its logits (batch, vocab) and the advanced state.
         On CUDA the step is a graph per (rows, attended length) bucket."""
-        if state.slots != list(range(self._held)):
-            raise EngineError(f"decode needs the state of every held slot, in order (0..{self._held - 1}); got {state.slots}")
-        self._check_generation(len(next_ids), int(state.lengths.max()))
+        self._check_turn(state, len(next_ids), int(state.lengths.max()))
         logits = self._step(next_ids.tolist(), state.lengths.tolist())
         return logits.numpy(), SlotState(self, state.slots, state.lengths + 1)
 
+    def decode_turn(self, state: SlotState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1) -> tuple[Picked, SlotState]:
+        """`steps` decode steps for every held slot, sampled on the device: greedy turns
+        through `generate`'s k-step graphs, others through graphs that sample each row with
+        its own settings and stream (and compute log probabilities where asked). Only the
+        picked ids (and asked-for log probabilities) come back to the host."""
+        self._check_turn(state, len(next_ids), int(state.lengths.max()) + steps - 1)
+        if not 1 <= steps <= self.max_turn_steps:
+            raise EngineError(f"a turn takes 1..{self.max_turn_steps} steps, not {steps}")
+        ids, positions = next_ids.tolist(), state.lengths.tolist()
+        asked = [d.sampling.logprobs for d in draws]
+        if all(d.sampling.greedy for d in draws) and all(n is None for n in asked):
+            picked = Picked(self.runner.decode_rows(ids, positions, steps), {}, {})
+        else:
+            settings = [(d.sampling.temperature, d.sampling.top_p, d.key, d.drawn) for d in draws]
+            tokens, logprobs = self._sampled(ids, positions, settings, steps, logprobs=any(n is not None for n in asked))
+            picked = Picked(tokens, _token_logprobs(logprobs, asked) if logprobs else {}, {})
+        return picked, SlotState(self, state.slots, state.lengths + steps)
+
+    def pick(self, logits: np.ndarray, draws: list[Draws]) -> Picked:
+        """The prefill's first tokens, drawn by the same rule and streams as the device's
+        turns (draw 0 of each row's stream), so a seeded request samples alike however it
+        is batched; log probabilities as every engine computes them."""
+        import torch
+
+        from components.runtime.torch_sampling import sample_rows
+
+        if all(d.sampling.greedy for d in draws):
+            tokens = logits.argmax(-1)  # no sort of the vocabulary for nothing
+        else:
+            settings = torch.tensor([(d.sampling.temperature, d.sampling.top_p) for d in draws], dtype=torch.float32)
+            streams = torch.tensor([(d.key, d.drawn) for d in draws], dtype=torch.long)
+            tokens = sample_rows(torch.from_numpy(logits), settings[:, 0], settings[:, 1], streams[:, 0], streams[:, 1]).numpy()
+        logprobs = {
+            row: logprobs_of(logits[row : row + 1], [int(tokens[row])], d.sampling.logprobs)
+            for row, d in enumerate(draws)
+            if d.sampling.logprobs is not None
+        }
+        return Picked(tokens[:, None], logprobs, {})
+
     def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
         raise EngineError("torch-cuda engines keep their KV cache on the device: use prefill and decode (slots), score or generate")
+
+    def _check_turn(self, state: SlotState, rows: int, last_position: int) -> None:
+        if state.slots != list(range(self._held)):
+            raise EngineError(f"a decode step needs the state of every held slot, in order (0..{self._held - 1}); got {state.slots}")
+        self._check_generation(rows, last_position)
 
     def _check_no_slots_held(self, what: str) -> None:
         """`score` and `generate` use the cache from slot 0: not while the server's sequences hold slots."""
@@ -176,6 +244,25 @@ class TorchCudaEngine(Engine):
         """Compile and capture the graphs of one row and of a full batch of this shape."""
         self.runner.warm_up(sorted({1, self.runner.S}), prompt_tokens, new_tokens)
 
+    def prepare_to_serve(self, prompt_tokens: int = 32, attended: int = 128) -> None:
+        """Capture the graphs of kiln serve's turns for short requests (prompts up to
+        `prompt_tokens`, up to `attended` positions) at every row width and turn length:
+        a graph captured on first use stalls every running stream for its eager run, which
+        set the p99 of 16 streaming clients. Longer requests capture theirs on first use."""
+        if not self.runner.use_graphs:
+            return  # nothing to capture on the CPU
+        self._check_no_slots_held("prepare_to_serve")
+        greedy = Draws(Sampling())
+        for width in self.runner.widths:
+            for steps in (1 << i for i in range(self.max_turn_steps.bit_length())):
+                if steps > self.max_turn_steps:
+                    break
+                ids = np.zeros((width, prompt_tokens), np.int64)
+                state = self.prefill(ids, np.ones_like(ids))[1]
+                while int(state.lengths.max()) + steps <= min(attended, self.runner.T):
+                    state = self.decode_turn(state, np.zeros(width, np.int64), [greedy] * width, steps)[1]
+                state.rows([])
+
     def close(self) -> None:
         self.runner = None
 
@@ -189,6 +276,16 @@ def _triton_step(program, shape, max_context: int):
         return None
     # Buffers too: the Llama family's rotary frequencies are one.
     return triton_decode_step(dict(program.named_parameters()) | dict(program.named_buffers()), shape, max_context)
+
+
+def _token_logprobs(computed: tuple[np.ndarray, np.ndarray, np.ndarray], asked: list[int | None]) -> dict[int, list[TokenLogprob]]:
+    """The device's log probabilities as every engine reports them, for the rows that asked."""
+    chosen, top_ids, top_values = (a.tolist() for a in computed)
+    return {
+        row: [TokenLogprob(lp, tuple(zip(ids[:n], values[:n], strict=True))) for lp, ids, values in zip(chosen[row], top_ids[row], top_values[row], strict=True)]
+        for row, n in enumerate(asked)
+        if n is not None
+    }
 
 
 @dataclass
