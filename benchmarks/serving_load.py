@@ -1,5 +1,6 @@
 """`kiln bench serving`: the server under concurrent clients, continuous batching vs one
-request at a time, on the same engine in the same run.
+request at a time, on the same engine in the same run, beside the engine's own `generate`
+of the same work with no server (the ceiling the server's rows are read against).
 
 Each row starts `kiln serve --engine DIR` as its own process (loopback only), waits until
 it is ready, then N clients (asyncio + aiohttp, streaming so that time to first token is
@@ -29,12 +30,13 @@ import aiohttp
 import httpx
 import numpy as np
 
-from components.config import Params
+from components.config import Params, load_params
 from components.engine_dir import load_engine_dir
 from components.errors import KilnError, RegistryError
 from components.workspace import Workspace
 
 MODES = {"one-at-a-time": 1, "continuous-batching": None}  # row name → `kiln serve --max-batch`
+GENERATE = "engine generate"  # the row of the engine's own `generate`, in this process
 
 
 @dataclass(frozen=True)
@@ -75,15 +77,53 @@ def serving_rounds(engines: dict[str, Path], setup: ServingBenchSetup, params_fi
     fresh server; rounds interleave the modes, so that a shared machine's slow spells fall
     on both."""
     rows = []
+    threads = load_params(params_file).serving.threads
     for label, engine_dir in engines.items():
         vocab = load_engine_dir(engine_dir).manifest.vocab_size
         for _ in range(setup.rounds):
+            row = generate_row(engine_dir, label, vocab, setup, threads)
+            rows.append(row)
+            on_row(row)
             for mode, max_batch in MODES.items():
                 with _Server(engine_dir, max_batch, params_file) as url:
                     row = _measure(url, mode, label, vocab, setup)
                 rows.append(row)
                 on_row(row)
     return rows
+
+
+def generate_row(engine_dir: Path, label: str, vocab: int, setup: ServingBenchSetup, threads: int | None) -> ServingRow:
+    """The engine's `generate` of `clients` of the benchmark's prompts at once, greedy and
+    to `new_tokens`, back to back for the row's seconds: what the engine gives with no
+    server, no HTTP and no scheduler. Its latency is the whole batch's; it has no first
+    token to time (NaN)."""
+    from components.runtime import open_engine
+    from components.runtime.sampling import Sampling
+
+    prompts = bench_prompts(vocab, setup)[: setup.clients]
+    sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
+    with open_engine(load_engine_dir(engine_dir), threads=threads) as engine:
+        engine.generate(prompts, sampling)  # warm-up: graphs, first calls
+        times: list[float] = []
+        started = time.perf_counter()
+        while time.perf_counter() - started < setup.seconds and len(times) * setup.clients < setup.max_requests:
+            call = time.perf_counter()
+            engine.generate(prompts, sampling)
+            times.append(time.perf_counter() - call)
+    elapsed, latencies = time.perf_counter() - started, np.array(times) * 1000
+    requests = len(times) * setup.clients
+    return ServingRow(
+        name=GENERATE, engine=label,
+        requests_per_s=requests / elapsed, tokens_per_s=requests * setup.new_tokens / elapsed,
+        p50_ms=float(np.percentile(latencies, 50)), p99_ms=float(np.percentile(latencies, 99)), ttft_p50_ms=float("nan"),
+        requests=requests, failed=0,
+    )  # fmt: skip
+
+
+def bench_prompts(vocab: int, setup: ServingBenchSetup) -> list[list[int]]:
+    """The benchmark's 64 prompts: random token ids of `prompt_tokens`, from its seed."""
+    rng = np.random.default_rng(setup.seed)
+    return [rng.integers(0, vocab, setup.prompt_tokens).tolist() for _ in range(64)]
 
 
 def median_rows(rounds: list[ServingRow]) -> list[ServingRow]:
@@ -167,8 +207,7 @@ def _free_port() -> int:
 
 def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSetup) -> ServingRow:
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-    rng = np.random.default_rng(setup.seed)
-    prompts = [rng.integers(0, vocab, setup.prompt_tokens).tolist() for _ in range(64)]
+    prompts = bench_prompts(vocab, setup)
     samples, elapsed = asyncio.run(_drive(url, model, prompts, setup))
     ok = [s for s in samples if s.ok]
     if not ok:

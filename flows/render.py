@@ -96,23 +96,26 @@ def bench_rows(rows, setup, shape: str, batch: int = 1) -> None:
 
 def serving_rows(rows, setup, every_round) -> None:
     """One table per engine (its name in the title, so the rows fit an 80-column terminal or
-    CI log); the ratio is tokens/s against that engine's one-at-a-time row. With several
+    CI log); the ratio is tokens/s against that engine's one-at-a-time row, and "of gen"
+    against its own `generate` of the same work with no server. With several
     rounds the rows are medians, and the caption gives each round's own ratio."""
     for engine in dict.fromkeys(row.engine for row in rows):
         mine = [row for row in rows if row.engine == engine]
         baseline = next((row.tokens_per_s for row in mine if row.name == "one-at-a-time"), float("nan"))
+        ceiling = next((row.tokens_per_s for row in mine if row.name == "engine generate"), float("nan"))
         requests = ", ".join(f"{row.name} {row.requests} requests ({row.failed} failed)" for row in mine)
         rounds = f"medians of {setup.rounds} rounds (ratio by round: {_round_ratios(every_round, engine)}); " if setup.rounds > 1 else ""
         table = Table(
             title=f"kiln serve {engine}: {setup.clients} clients, {setup.prompt_tokens} + {setup.new_tokens} tokens, {setup.seconds:.0f} s per row",
-            caption=f"{rounds}{requests}; latencies of whole requests; TTFT: median time to first token",
+            caption=f"{rounds}{requests}; latencies of whole requests (engine generate: of its whole batch); TTFT: median time to first token",
         )
-        for column in ("mode", "req/s", "tok/s", "ratio", "p50 ms", "p99 ms", "TTFT ms"):
+        for column in ("mode", "req/s", "tok/s", "ratio", "of gen", "p50 ms", "p99 ms", "TTFT ms"):
             table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
         for row in mine:
             table.add_row(
                 row.name, f"{row.requests_per_s:.1f}", f"{row.tokens_per_s:.0f}", f"{row.tokens_per_s / baseline:.2f}×",
-                f"{row.p50_ms:.0f}", f"{row.p99_ms:.0f}", f"{row.ttft_p50_ms:.0f}",
+                f"{row.tokens_per_s / ceiling:.0%}", f"{row.p50_ms:.1f}", f"{row.p99_ms:.1f}",
+                "—" if row.ttft_p50_ms != row.ttft_p50_ms else f"{row.ttft_p50_ms:.1f}",
             )  # fmt: skip
         console.print(table)
 
