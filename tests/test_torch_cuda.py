@@ -240,7 +240,7 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
     tokenizer = EngineTokenizer(engine_dir.path)
     torch_engine_ = open_engine(cpu_engine_dir)
     done, batches = threading.Semaphore(0), []
-    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=32, observe=lambda running, waiting, decoded: batches.append(running))
+    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=32, observe=lambda running, waiting, decoded: batches.append(decoded))
 
     def sequence(text: str, sampling: Sampling) -> Sequence:
         return Sequence(tokenizer.encode(text), sampling, lambda e: done.release() if isinstance(e, Finished) else None)
