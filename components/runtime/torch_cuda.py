@@ -246,22 +246,21 @@ class TorchCudaEngine(Engine):
 
     def prepare_to_serve(self, prompt_tokens: int = 32, attended: int = 128) -> None:
         """Capture the graphs of kiln serve's turns for short requests (prompts up to
-        `prompt_tokens`, up to `attended` positions) at every row width and turn length:
+        `prompt_tokens`, up to `attended` positions) at every row width and turn length,
+        greedy and sampled (compiling the sampled step):
         a graph captured on first use stalls every running stream for its eager run, which
         set the p99 of 16 streaming clients. Longer requests capture theirs on first use."""
         if not self.runner.use_graphs:
             return  # nothing to capture on the CPU
         self._check_no_slots_held("prepare_to_serve")
-        greedy = Draws(Sampling())
-        for width in self.runner.widths:
-            for steps in (1 << i for i in range(self.max_turn_steps.bit_length())):
-                if steps > self.max_turn_steps:
-                    break
-                ids = np.zeros((width, prompt_tokens), np.int64)
-                state = self.prefill(ids, np.ones_like(ids))[1]
-                while int(state.lengths.max()) + steps <= min(attended, self.runner.T):
-                    state = self.decode_turn(state, np.zeros(width, np.int64), [greedy] * width, steps)[1]
-                state.rows([])
+        for draws in (Draws(Sampling()), Draws(Sampling(temperature=1.0))):  # greedy turns, sampled turns
+            for width in self.runner.widths:
+                for steps in (1 << i for i in range(self.max_turn_steps.bit_length())):
+                    ids = np.zeros((width, prompt_tokens), np.int64)
+                    state = self.prefill(ids, np.ones_like(ids))[1]
+                    while int(state.lengths.max()) + steps <= min(attended, self.runner.T):
+                        state = self.decode_turn(state, np.zeros(width, np.int64), [draws] * width, steps)[1]
+                    state.rows([])
 
     def close(self) -> None:
         self.runner = None

@@ -35,7 +35,7 @@ def gumbel_noise(keys: Tensor, counters: Tensor, vocab: int) -> Tensor:
     """(rows, vocab) standard Gumbel noise, float32: a uniform per token of the row's draw,
     hashed from its stream state and the token id."""
     tokens = torch.arange(vocab, dtype=torch.long, device=keys.device)
-    bits = _mix32(_stream(keys, counters).unsqueeze(1) ^ (tokens * 0x9E3779B1 & _MASK32))
+    bits = _mix32(_stream(keys, counters).unsqueeze(1) ^ (tokens * 0x27D4EB2F & _MASK32))  # < 2**31: Triton indexes in int32
     u = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
     return -torch.log(-torch.log(u))
 
