@@ -37,6 +37,7 @@ from components.workspace import Workspace
 
 MODES = {"one-at-a-time": 1, "continuous-batching": None}  # row name → `kiln serve --max-batch`
 GENERATE = "engine generate"  # the row of the engine's own `generate`, in this process
+AS_SERVED = "as served"  # the row of a server given by its URL (`--url`)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,19 @@ def serving_rounds(engines: dict[str, Path], setup: ServingBenchSetup, params_fi
                     row = _measure(url, mode, label, vocab, setup)
                 rows.append(row)
                 on_row(row)
+    return rows
+
+
+def url_rounds(urls: list[str], vocab: int, setup: ServingBenchSetup, on_row=lambda row: None) -> list[ServingRow]:
+    """One row per server and round: an OpenAI-compatible server already running (llama.cpp's
+    llama-server, vLLM, another kiln serve), driven by the same clients as kiln's rows, with
+    prompts of token ids below `vocab`. Its batching is its own (row name "as served")."""
+    rows = []
+    for _ in range(setup.rounds):
+        for url in urls:
+            row = _measure(url.rstrip("/"), AS_SERVED, url, vocab, setup)
+            rows.append(row)
+            on_row(row)
     return rows
 
 

@@ -304,22 +304,38 @@ def bench_serving(
     prompt_tokens: Annotated[int, typer.Option(min=1)] = 32,
     new_tokens: Annotated[int, typer.Option(min=1)] = 32,
     rounds: Annotated[int, typer.Option(min=1, max=20, help="both modes once per round, interleaved; rows are medians")] = 1,
+    url: Annotated[list[str] | None, typer.Option(help="also drive this running OpenAI-compatible server (llama-server, vLLM, ...; repeatable)")] = None,
+    vocab: Annotated[int | None, typer.Option(min=2, help="prompt token ids are drawn below this (default: the engine's vocabulary)")] = None,
 ) -> None:
-    """The server under concurrent clients: continuous batching vs one request at a time."""
+    """The server under concurrent clients: continuous batching vs one request at a time,
+    beside the engine's own generate; with --url, other servers driven by the same clients."""
     root = Path.cwd()
     _prepare_environment(root)
     from benchmarks import serving_load as bs
 
     setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
+    done = lambda row: render.console.print(f"  {row.engine}: {row.name} done ({row.tokens_per_s:,.0f} tokens/s)")  # noqa: E731
     with _one_line_errors():
-        engines = _serving_bench_engines(root, params_file, engine or [], gpt2_small)
-        done = lambda row: render.console.print(f"  {row.engine}: {row.name} done ({row.tokens_per_s:,.0f} tokens/s)")  # noqa: E731
+        engines = {} if url and not (engine or gpt2_small) else _serving_bench_engines(root, params_file, engine or [], gpt2_small)
         every_round = bs.serving_rounds(engines, setup, params_file.resolve(), on_row=done)
+        if url:
+            every_round += bs.url_rounds(url, _prompt_vocab(vocab, engines), setup, on_row=done)
     rows = bs.median_rows(every_round)
     render.serving_rows(rows, setup, every_round)
     if json_path is not None:
         bs.write_json(rows, setup, json_path, every_round)
         render.console.print(f"rows written to {json_path}")
+
+
+def _prompt_vocab(vocab: int | None, engines: dict[str, Path]) -> int:
+    """The bound of the prompts' token ids for --url: --vocab, else the engine's vocabulary."""
+    if vocab is not None:
+        return vocab
+    if not engines:
+        raise KilnError("--url needs --vocab (or --engine DIR of the model that server serves): prompts are random token ids below it")
+    from components.engine_dir import load_engine_dir
+
+    return min(load_engine_dir(path).manifest.vocab_size for path in engines.values())
 
 
 def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], gpt2_small: bool) -> dict[str, Path]:

@@ -113,11 +113,15 @@ def serving_rows(rows, setup, every_round) -> None:
             table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
         for row in mine:
             table.add_row(
-                row.name, f"{row.requests_per_s:.1f}", f"{row.tokens_per_s:.0f}", f"{row.tokens_per_s / baseline:.2f}×",
-                f"{row.tokens_per_s / ceiling:.0%}", f"{row.p50_ms:.1f}", f"{row.p99_ms:.1f}",
-                "—" if row.ttft_p50_ms != row.ttft_p50_ms else f"{row.ttft_p50_ms:.1f}",
+                row.name, f"{row.requests_per_s:.1f}", f"{row.tokens_per_s:.0f}", _or_dash(row.tokens_per_s / baseline, "{:.2f}×"),
+                _or_dash(row.tokens_per_s / ceiling, "{:.0%}"), f"{row.p50_ms:.1f}", f"{row.p99_ms:.1f}", _or_dash(row.ttft_p50_ms, "{:.1f}"),
             )  # fmt: skip
         console.print(table)
+
+
+def _or_dash(value: float, form: str) -> str:
+    """`value` in `form`, or a dash where it is not a number (no such row to divide by)."""
+    return "—" if value != value else form.format(value)
 
 
 def _round_ratios(every_round, engine: str) -> str:
