@@ -133,17 +133,18 @@ def test_streaming_through_the_openai_client_gives_the_same_text_token_by_token(
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
-def test_a_stream_has_a_chunk_for_every_token_even_one_that_releases_no_text_yet(server):
+def test_a_stream_sends_held_back_text_before_it_finishes_and_loses_none(server, engine, tokenizer):
     """A 12-character stop string holds back the text until it cannot begin one: the first
-    tokens release nothing, and their chunks come all the same (empty), one per token (on an
-    engine that samples on the host: one per step)."""
+    token's chunk comes all the same (empty), later chunks come as turns end (a lone stream
+    takes several steps a turn), and the held-back tail arrives before the finish."""
     body = {"model": MODEL, "prompt": "The list", "max_tokens": 12, "ignore_eos": True, "stop": "~" * 12, "temperature": 0, "stream": True}
     with server.client() as client, client.stream("POST", "/v1/completions", json=body) as response:
         chunks = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line and line != "data: [DONE]"]
     deltas = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["finish_reason"] is None]
     assert chunks[-1]["usage"]["completion_tokens"] == 12
-    assert len(deltas) == 12  # a chunk per token; the last brings the held-back tail with its own text
-    assert deltas[0] == "" and deltas[-1]  # the first token's text could still begin the stop string
+    whole = engine.generate([tokenizer.encode("The list")], Sampling(max_new_tokens=12, stop_at_eos=False))[0]
+    assert "".join(deltas) == tokenizer.decode(whole)
+    assert 2 <= len(deltas) <= 12 and deltas[0] == "" and deltas[-1]  # the first token's text could still begin the stop string
 
 
 def test_a_raw_stream_ends_with_done(server):
@@ -666,6 +667,37 @@ def test_sequences_arriving_as_others_finish_each_get_the_answer_they_get_alone(
     assert [s.generated for s in sequences] == alone
 
 
+def test_a_stream_alone_takes_several_steps_a_turn_and_a_batch_one_with_the_same_answers(own_engine, engine, tokenizer, monkeypatch):
+    """Where the host samples, a stream that has run alone for LONE_AFTER_S takes as many
+    steps a turn as fit in HOST_TURN_BUDGET_S (its messages and events come once a turn);
+    two at once step together one step a turn, and a stream right after them is not yet
+    alone. Either way each answer is the one it gets alone."""
+    import serving.scheduler as scheduling
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    turns: list[tuple[int, int]] = []
+    decode_turn = own_engine.decode_turn
+    own_engine.decode_turn = lambda state, ids, draws, steps: turns.append((len(ids), steps)) or decode_turn(state, ids, draws, steps)
+    scheduler, finished = Scheduler(own_engine, tokenizer, max_waiting=4), threading.Semaphore(0)
+    sampling = Sampling(max_new_tokens=40, stop_at_eos=False)
+
+    def ask(*prompts: str) -> list[list[int]]:
+        turns.clear()
+        sequences = [Sequence(tokenizer.encode(p), sampling, lambda e: finished.release() if isinstance(e, Finished) else None) for p in prompts]
+        scheduler.submit(sequences)
+        for _ in sequences:
+            assert finished.acquire(timeout=30)
+        assert [seq.generated for seq in sequences] == [engine.generate([tokenizer.encode(p)], sampling)[0] for p in prompts]
+        return sorted({steps for _, steps in turns})
+
+    monkeypatch.setattr(scheduling, "LONE_AFTER_S", 0.0)
+    assert max(ask("The list")) > 1  # after its first turn, which measures a step
+    monkeypatch.setattr(scheduling, "LONE_AFTER_S", 60.0)
+    assert ask("A class", "Importing") == [1]
+    assert ask("The list") == [1]  # the pair ran a moment ago: not alone yet
+    assert scheduler.close(timeout=5)
+
+
 def test_a_temperature_too_small_to_divide_by_samples_greedily_and_leaves_its_batch_alone(own_engine, engine, tokenizer):
     """Logits over a temperature of 1e-308 overflow to inf, and inf - inf is NaN: numpy
     refused to draw, and the failure took down every request in the step."""
@@ -695,17 +727,18 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily_and_leaves_its_ba
     assert [s.generated for s in sequences] == greedy  # the tiny temperature is the argmax
 
 
-def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(own_engine, tokenizer):
+def test_a_cancelled_sequence_leaves_the_batch_at_the_end_of_its_turn(own_engine, tokenizer):
     """What a disconnect does (the server marks the client's sequences cancelled): the slot
-    is free at once, not after max_tokens."""
+    is free after the turn in flight, not after max_tokens."""
     from serving.scheduler import Delta, Finished, Scheduler, Sequence
 
     scheduler = Scheduler(own_engine, tokenizer, max_waiting=4)
-    events, gone = [], threading.Event()
+    events, gone, when = [], threading.Event(), []
 
     def emit(event) -> None:
         events.append(event)
         if isinstance(event, Delta) and len(events) == 3:
+            when.append(len(sequence.generated))
             sequence.cancel()
             gone.set()
 
@@ -716,7 +749,7 @@ def test_a_cancelled_sequence_leaves_the_batch_at_the_next_step(own_engine, toke
     while scheduler.running:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert len(sequence.generated) <= 4  # the step in flight when it was cancelled, no more
+    assert len(sequence.generated) <= when[0] + own_engine.max_turn_steps  # the turn in flight when it was cancelled, no more
     assert not any(isinstance(e, Finished) for e in events)
     assert scheduler.close(timeout=5)
 
@@ -1116,6 +1149,23 @@ def test_kiln_bench_serving_measures_both_modes_beside_the_engines_generate_and_
         assert row["rounds"] == 2 and row["requests"] == sum(r["requests"] for r in mine)
         assert row["tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in mine) / 2)
     assert "ratio by round" in result.stdout
+
+
+def test_kiln_bench_serving_drives_any_openai_server_given_by_its_url(server, tmp_path, engine_dir):
+    """`--url` measures a server kiln did not start (llama-server, vLLM, ...) with the same
+    clients; here kiln's own, running in this process. Without --vocab or an engine to
+    draw prompt ids from, one line says what is missing."""
+    kiln = str(Path(sys.executable).parent / "kiln")
+    (tmp_path / "params.yaml").write_text("{}\n")
+    common = ["--clients", "2", "--seconds", "1", "--prompt-tokens", "8", "--new-tokens", "8"]
+    command = [kiln, "bench", "serving", "--url", server.url, "--vocab", str(engine_dir.manifest.vocab_size), *common, "--json", str(tmp_path / "url.json")]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = json.loads((tmp_path / "url.json").read_text())["rows"]
+    assert row["name"] == "as served" and row["engine"] == server.url
+    assert row["failed"] == 0 and row["requests"] >= 2 and row["tokens_per_s"] == pytest.approx(row["requests_per_s"] * 8, rel=1e-6)
+    missing = subprocess.run([kiln, "bench", "serving", "--url", server.url, *common], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert missing.returncode == 2 and "--url needs --vocab" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_the_loader_keeps_only_the_last_few_pulled_versions_and_never_the_served_one(store, tmp_path):

@@ -100,9 +100,8 @@ class Engine(ABC):
     """A loaded engine. Use it as a context manager (or call `close`) to free what the
     backend holds: a session, device buffers, streams."""
 
-    # Decode steps one `decode_turn` may take: 1 where the host samples every token; more
-    # where the device samples and runs several steps in one graph.
-    max_turn_steps = 1
+    # Decode steps one `decode_turn` may take (the scheduler chooses how many; see there).
+    max_turn_steps = 16
 
     def __init__(self, engine_dir: EngineDir) -> None:
         self.engine_dir = engine_dir
@@ -178,11 +177,21 @@ class Engine(ABC):
 
     def decode_turn(self, state: DecodeState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1) -> tuple[Picked, DecodeState]:
         """`steps` (at most `max_turn_steps`) decode steps for every row, each sampling with
-        its own draws; what they picked, and the state after the last step."""
-        if steps != 1:
-            raise ValueError(f"{type(self).__name__} samples on the host: one step a turn, not {steps}")
-        logits, state = self.decode(state, next_ids)
-        return self.pick(logits, draws), state
+        its own draws; what they picked, and the state after the last step. Here each step's
+        logits come to the host, which picks the next tokens."""
+        if not 1 <= steps <= self.max_turn_steps:
+            raise ValueError(f"a turn takes 1..{self.max_turn_steps} steps, not {steps}")
+        tokens = np.empty((len(next_ids), steps), np.int64)
+        logprobs: dict[int, list[TokenLogprob]] = {row: [] for row, d in enumerate(draws) if d.sampling.logprobs is not None}
+        failed: dict[int, str] = {}
+        for step in range(steps):
+            logits, state = self.decode(state, next_ids)
+            picked = self.pick(logits, draws)
+            tokens[:, step] = next_ids = picked.tokens[:, 0]
+            for row, each in picked.logprobs.items():
+                logprobs[row] += each
+            failed = picked.failed | failed  # a row's first failure is the one reported
+        return Picked(tokens, {row: each for row, each in logprobs.items() if row not in failed}, failed), state
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """New token ids for each prompt (left-padded into one batch), without the prompt."""
