@@ -3,10 +3,11 @@
 One thread owns the engine (vLLM's shape, FACTS.md). Each turn it drops sequences whose
 clients left, runs the decode steps of the turn for every running sequence, admits waiting
 ones (one prefill for all of them, whose caches then join the running batch), and retires
-each finished sequence at once. A turn is one step where the host samples; where the
-device samples (the torch-cuda engine), a turn nobody waits on takes several steps in one
-graph (see `_turn_steps`). The batch never exceeds the engine's profile; the waiting line is
-bounded, and a full line is refused at once (the server answers 503 with Retry-After).
+each finished sequence at once. A turn nobody waits on takes several steps where the device
+samples (the torch-cuda engine, in one graph) and, where the host samples, for a stream
+that has run alone a while (see `_turn_steps`). The batch never exceeds the engine's
+profile; the waiting line is bounded, and a full line is refused at once (the server
+answers 503 with Retry-After).
 
 Each sequence samples with its own settings and seed and stops on its own conditions;
 tokens and text reach its client as its steps complete, through `Sequence.emit`. kiln serve
@@ -259,9 +260,8 @@ class Scheduler:
         as every running row still may take (with a full batch, the turn ends when the first
         row can leave), at most the engine's `max_turn_steps` — where the host samples, as
         many as the lone stream's steps fit in HOST_TURN_BUDGET_S — rounded down to a power
-        of two (few graphs to capture).
-        A row that stops early (end of text, a stop string) drops the rest of its turn's
-        tokens."""
+        of two (few graphs to capture). A row that stops early (end of text, a stop string)
+        drops the rest of its turn's tokens."""
         if self._waiting and self._live < self.max_batch:
             return 1
         steps = min(min(r.left for r in self._running), self.engine.max_turn_steps)
