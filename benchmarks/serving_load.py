@@ -30,6 +30,7 @@ import aiohttp
 import httpx
 import numpy as np
 
+from benchmarks.generation import random_prompts
 from components.config import Params, load_params
 from components.engine_dir import load_engine_dir
 from components.errors import KilnError, RegistryError
@@ -111,12 +112,12 @@ def generate_row(engine_dir: Path, label: str, vocab: int, setup: ServingBenchSe
     to `new_tokens`, back to back for the row's seconds: what the engine gives with no
     server, no HTTP and no scheduler. Its latency is the whole batch's; it has no first
     token to time (NaN)."""
-    from components.runtime import open_engine
+    from components.runtime import load_engine
     from components.runtime.sampling import Sampling
 
     prompts = bench_prompts(vocab, setup)[: setup.clients]
     sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
-    with open_engine(load_engine_dir(engine_dir), threads=threads) as engine:
+    with load_engine(engine_dir, threads=threads) as engine:
         engine.generate(prompts, sampling)  # warm-up: graphs, first calls
         times: list[float] = []
         started = time.perf_counter()
@@ -136,8 +137,7 @@ def generate_row(engine_dir: Path, label: str, vocab: int, setup: ServingBenchSe
 
 def bench_prompts(vocab: int, setup: ServingBenchSetup) -> list[list[int]]:
     """The benchmark's 64 prompts: random token ids of `prompt_tokens`, from its seed."""
-    rng = np.random.default_rng(setup.seed)
-    return [rng.integers(0, vocab, setup.prompt_tokens).tolist() for _ in range(64)]
+    return random_prompts(64, setup.prompt_tokens, vocab, setup.seed)
 
 
 def median_rows(rounds: list[ServingRow]) -> list[ServingRow]:
