@@ -293,9 +293,10 @@ class TextGateParams(_Section):
     """Greedy continuations of held-out prompts, by the engine and by the PyTorch model it
     came from, each scored against the held-out text that followed the prompt."""
 
-    # 256, not 32: half of an int8 engine's 32-token continuations part from the model's
-    # somewhere, and over 32 of them the drop's spread (~4 %) exceeded its 2 % limit.
-    sequences: int = Field(256, ge=1)
+    # Half of an int8 engine's continuations part from the model's somewhere, so the drop is
+    # noisy: its bootstrap spread is ~1.7 points over 256 of them and ~1.1 over 512 (all
+    # the default eval split holds), against a 2 % limit (docs/performance.md).
+    sequences: int = Field(512, ge=1)
     prompt_tokens: int = Field(16, ge=1)
     new_tokens: int = Field(32, ge=1)
     limits: dict[Precision, TextLimits] = {

@@ -10,7 +10,7 @@ import pytest
 
 from components.config import LatencyGateParams, QualityGateParams, QualityLimits
 from components.errors import ConfigError
-from components.gates import eval_windows, gate_report, latency_gate, quality_gate, text_gate, text_windows, write_report
+from components.gates import drop_pct, eval_windows, gate_report, latency_gate, quality_gate, text_gate, text_windows, write_report
 from components.metrics import load_metric
 from components.runtime.engine import Engine
 from components.runtime.tokenizer import EngineTokenizer
@@ -152,6 +152,7 @@ def test_the_text_gate_scores_the_engines_continuations_like_the_models_when_the
     assert measured["rouge_l"] == measured["rouge_l_reference"] == measured["rouge_l_vs_reference"] == 1.0  # fp32: the same greedy text
     assert measured["bleu"] == measured["bleu_reference"] > 0  # not 1: the tiny model writes few spaces, so few 4-grams
     assert measured["rouge_l_drop_pct"] == measured["bleu_drop_pct"] == 0
+    assert measured["rouge_l_drop_pct_ci95_low"] == measured["rouge_l_drop_pct_ci95_high"] == 0  # the same text: no spread
     assert result.thresholds == {"max_rouge_l_drop_pct": 2.0, "max_bleu_drop_pct": 2.0}
     real = text_gate(engine, reference, EngineTokenizer(engine_dir.path), text_windows(EngineTokenizer(engine_dir.path), data_version.texts("eval"), params.gates.text), params.gates.text)
     assert real.passed and real.measured["rouge_l"] == real.measured["rouge_l_reference"]
@@ -167,7 +168,23 @@ def test_the_text_gate_fails_an_engine_that_writes_other_text_naming_the_scores(
     result = text_gate(stuck, reference, EngineTokenizer(engine_dir.path), windows, params.gates.text)
     assert not result.passed
     assert result.measured["rouge_l_vs_reference"] < 0.5 and result.measured["rouge_l_drop_pct"] > 50
+    assert result.measured["rouge_l_drop_pct_ci95_low"] <= result.measured["rouge_l_drop_pct"] <= result.measured["rouge_l_drop_pct_ci95_high"]
     assert GateReport((result,)).failures()[0].startswith("text: rouge_l_drop_pct")
+
+
+def test_the_text_gates_interval_is_the_paired_spread_of_the_drop_over_sequences():
+    """The interval pairs each sequence's two scores: a constant shift has no spread, and
+    noisy pairs spread around the drop as a bootstrap of their means says."""
+    from components.gates import drop_interval
+
+    rng = np.random.default_rng(1)
+    theirs = rng.uniform(0.1, 0.3, 400)
+    assert drop_interval(theirs * 0.97, theirs) == pytest.approx((3.0, 3.0))
+    noisy = theirs * 0.97 + rng.normal(0, 0.05, 400)
+    low, high = drop_interval(noisy, theirs)
+    drop = drop_pct(noisy.mean(), theirs.mean())
+    assert low < drop < high and 3 < high - low < 12  # ±~1.96 standard errors of a 0.05 noise on means of 0.2
+    assert drop_interval(noisy, theirs, seed=2) != (low, high) and drop_interval(noisy, theirs) == (low, high)
 
 
 def test_the_text_metrics_are_rouge_l_and_smoothed_corpus_bleu():

@@ -12,6 +12,7 @@ Args:
     references: one reference text per candidate.
 Returns:
     rouge_l: the mean F-measure, in [0, 1].
+    rouge_l_scores: each prediction's F-measure (for paired statistics over sequences).
 """
 
 
@@ -27,4 +28,4 @@ class RougeL(evaluate.Metric):
     def _compute(self, predictions, references):
         scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
         scores = [scorer.score(reference, prediction)["rougeL"].fmeasure for prediction, reference in zip(predictions, references, strict=True)]
-        return {"rouge_l": float(sum(scores) / len(scores)) if scores else 0.0}
+        return {"rouge_l": float(sum(scores) / len(scores)) if scores else 0.0, "rouge_l_scores": scores}
