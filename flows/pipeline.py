@@ -120,8 +120,15 @@ class EngineOutcome:
 
     @property
     def may_be_challenger(self) -> bool:
-        """Its own gates passed, and it is not worse than the champion beyond the limits."""
-        return self.report.passed and (self.against_champion is None or self.against_champion.passed)
+        """Its own gates passed — in this run and in its version's record (an engine
+        registered before keeps its first record) — and it is not worse than the champion
+        beyond the limits."""
+        return self.report.passed and self.registration.gates_passed and (self.against_champion is None or self.against_champion.passed)
+
+    @property
+    def record_disagrees(self) -> bool:
+        """This run's gates say otherwise than the version it found already registered."""
+        return not self.registration.created and self.registration.gates_passed != self.report.passed
 
 
 def choose_challenger(outcomes: tuple[EngineOutcome, ...]) -> EngineOutcome | None:

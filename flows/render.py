@@ -58,6 +58,12 @@ def pipeline_result(result) -> None:
     console.print(table)
     for outcome in result.failed:
         console.print(f"[red]{outcome.precision} failed:[/] " + "; ".join(outcome.report.failures()))
+    for outcome in (o for o in result.outcomes if o.record_disagrees):
+        reg, record = outcome.registration, "passed" if outcome.registration.gates_passed else "failed"
+        console.print(
+            f"[yellow]{outcome.precision} is version {reg.version}, registered before when its gates {record}: that record stands "
+            f"(kiln never rewrites a version's gates); delete the version to register this run's[/]"
+        )
     from components.gates import GateReport
 
     for outcome in result.outcomes:

@@ -49,6 +49,9 @@ class Registration:
     run_id: str | None
     created: bool
     aliases: tuple[str, ...]
+    # The version's own `gates.passed`: where the engine was registered before (`created`
+    # False), its first record stands, whatever this run measured.
+    gates_passed: bool = True
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from components.engine_dir import MANIFEST, EngineManifest
 from components.errors import RegistryError
 from components.files import exclusive_lock, process_alive
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, VersionInfo
-from registry.tags import ENGINE_SHA256, PROFILES_SHA256, RUN_HOST, RUN_KIND, RUN_MODEL_SHA256, RUN_PID
+from registry.tags import ENGINE_SHA256, GATES_PASSED, PROFILES_SHA256, RUN_HOST, RUN_KIND, RUN_MODEL_SHA256, RUN_PID
 from registry.target import is_embedded
 
 CHALLENGER = "challenger"
@@ -126,7 +126,7 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
         _end_abandoned_runs(client, target)
         existing = find_version(target, identity)
         if existing is not None:
-            return Registration(target.model_name, existing.version, existing.run_id, created=False, aliases=existing.aliases)
+            return Registration(target.model_name, existing.version, existing.run_id, False, existing.aliases, _passed(existing.tags))
         run_id = None
         try:
             run_id = _create_run(client, target, engine_sha256)
@@ -144,7 +144,11 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
         except BaseException:  # KeyboardInterrupt, SystemExit from SIGTERM
             _roll_back(client, target.model_name, run_id, "KILLED")
             raise
-    return _keep_oldest_twin(client, target, identity, str(version), run_id)
+    return _keep_oldest_twin(client, target, identity, str(version), run_id, _passed(record.version_tags))
+
+
+def _passed(tags: dict[str, str]) -> bool:
+    return tags.get(GATES_PASSED) == "true"
 
 
 @contextmanager
@@ -188,14 +192,14 @@ def _end_abandoned_runs(client, target: RegistryTarget) -> None:
             _roll_back(client, target.model_name, run.info.run_id, "KILLED")
 
 
-def _keep_oldest_twin(client, target: RegistryTarget, identity: dict[str, str], version: str, run_id: str) -> Registration:
+def _keep_oldest_twin(client, target: RegistryTarget, identity: dict[str, str], version: str, run_id: str, passed: bool) -> Registration:
     """If another process registered the same engine meanwhile, the oldest version stays and
     this one is deleted: one engine is one version whatever the interleaving."""
     oldest = find_version(target, identity)
     if oldest is not None and oldest.version != version:
         _roll_back(client, target.model_name, run_id, "FAILED")
-        return Registration(target.model_name, oldest.version, oldest.run_id, created=False, aliases=oldest.aliases)
-    return Registration(target.model_name, version, run_id, created=True, aliases=())
+        return Registration(target.model_name, oldest.version, oldest.run_id, False, oldest.aliases, _passed(oldest.tags))
+    return Registration(target.model_name, version, run_id, True, (), passed)
 
 
 def log_training(target: RegistryTarget, model_sha256: str, record: RunRecord) -> RunLink:

@@ -40,15 +40,18 @@ def test_challenger_goes_to_the_fastest_engine_not_worse_than_the_champion():
     from flows.pipeline import EngineOutcome, choose_challenger
     from registry import Registration
 
-    def outcome(precision: str, p50_ms: float, beats_champion: bool | None) -> EngineOutcome:
+    def outcome(precision: str, p50_ms: float, beats_champion: bool | None, recorded_passed: bool = True) -> EngineOutcome:
         report = GateReport((GateResult("latency", True, {"p50_ms": p50_ms}, {}),))
         compared = None if beats_champion is None else GateResult("champion", beats_champion, {"champion_version": 1.0}, {})
-        return EngineOutcome(precision, None, report, Registration("m", precision, None, True, ()), compared)
+        return EngineOutcome(precision, None, report, Registration("m", precision, None, recorded_passed, (), recorded_passed), compared)
 
     fast_but_worse, slow_and_fine = outcome("int8", 5.0, False), outcome("fp32", 9.0, True)
     assert choose_challenger((fast_but_worse, slow_and_fine)) is slow_and_fine
     assert choose_challenger((fast_but_worse,)) is None
     assert choose_challenger((outcome("int8", 5.0, None), slow_and_fine)).precision == "int8"  # no champion: no comparison
+    # Passed now, but its engine was registered before with failing gates: that record stands.
+    registered_failing = outcome("int8", 5.0, None, recorded_passed=False)
+    assert registered_failing.record_disagrees and choose_challenger((registered_failing, slow_and_fine)) is slow_and_fine
 
 
 def test_the_flow_measures_the_new_engine_against_the_registered_champion_not_itself(project, params, tiny_model, exported, data_version, calibration, engine, engine_dir, registry_target, lenient_latency, tmp_path):

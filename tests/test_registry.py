@@ -55,9 +55,10 @@ def test_a_passing_engine_becomes_a_tagged_version_that_can_be_aliased_challenge
 
 
 def test_registering_the_same_engine_twice_creates_no_second_version(registry_target, engine_dir):
-    first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
+    first = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
     second = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record())
     assert not second.created and second.version == first.version
+    assert not first.gates_passed and not second.gates_passed  # the first record stands: a later pass moves nothing
     assert len(versions(registry_target)) == 1
     assert find_version(registry_target, engine_identity(engine_dir.path, engine_dir.sha256)).version == first.version
     client = MlflowClient(registry_target.tracking_uri)
@@ -94,11 +95,11 @@ def test_when_two_registrations_of_one_engine_interleave_the_oldest_version_stay
     identity = engine_identity(engine_dir.path, engine_dir.sha256)
     twin = client.create_model_version(registry_target.model_name, source, run_id=run_id, tags=identity).version
 
-    kept = _keep_oldest_twin(client, registry_target, identity, twin, run_id)
-    assert kept == Registration(registry_target.model_name, first.version, first.run_id, created=False, aliases=(CHALLENGER,))
+    kept = _keep_oldest_twin(client, registry_target, identity, twin, run_id, False)
+    assert kept == Registration(registry_target.model_name, first.version, first.run_id, created=False, aliases=(CHALLENGER,), gates_passed=True)
     assert [str(v.version) for v in versions(registry_target)] == [first.version]
     assert client.get_run(run_id).info.status == "FAILED"
-    alone = _keep_oldest_twin(client, registry_target, identity, first.version, first.run_id)  # no twin: kept as created
+    alone = _keep_oldest_twin(client, registry_target, identity, first.version, first.run_id, True)  # no twin: kept as created
     assert alone == Registration(registry_target.model_name, first.version, first.run_id, created=True, aliases=())
 
 
