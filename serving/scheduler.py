@@ -242,7 +242,8 @@ class Scheduler:
             self._crowded_until = time.monotonic() + LONE_AFTER_S
         if decoded:
             draws, steps, started = [r.draws for r in self._running], self._turn_steps(), time.perf_counter()
-            picked, self._state = self.engine.decode_turn(self._state, self._next, draws, steps)
+            picked, self._state = self.engine.decode_turn(self._state, self._next, draws, steps, self._room())
+            steps = picked.tokens.shape[1]
             if decoded == 1:
                 self._lone_step_s = (time.perf_counter() - started) / steps
             self._advance(picked, rows=list(range(decoded)))
@@ -269,6 +270,14 @@ class Scheduler:
             alone = len(self._running) == 1 and time.monotonic() >= self._crowded_until
             steps = min(steps, int(HOST_TURN_BUDGET_S / self._lone_step_s)) if alone else 1
         return 1 << (max(steps, 1).bit_length() - 1)
+
+    def _room(self) -> int:
+        """How many steps the running rows may all take before the batch changes: none
+        while a newcomer waits for room (it joins after this turn); else until the first
+        row may leave. Rows that end early (end of text, a stop string) change it anyway."""
+        if self._waiting and self._live < self.max_batch:
+            return 0
+        return min(r.left for r in self._running)
 
     def _take_waiting(self) -> list[_Held]:
         with self._wake:

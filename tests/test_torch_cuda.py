@@ -342,7 +342,7 @@ def test_a_turn_nobody_waits_on_takes_several_steps_on_the_device_and_keeps_ever
     torch_engine_ = open_engine(cpu_engine_dir)
     turns: list[int] = []
     decode_turn = torch_engine_.decode_turn
-    torch_engine_.decode_turn = lambda state, ids, draws, steps: turns.append(steps) or decode_turn(state, ids, draws, steps)
+    torch_engine_.decode_turn = lambda state, ids, draws, steps, room=0: turns.append(steps) or decode_turn(state, ids, draws, steps, room)
     scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=8)
     greedy = Sampling(max_new_tokens=37, stop_at_eos=False)
     prompt = tokenizer.encode("The list type is")
@@ -360,6 +360,48 @@ def test_a_turn_nobody_waits_on_takes_several_steps_on_the_device_and_keeps_ever
     assert stopped.text == text[: text.index(stop)] and stopped.emit.events[-1].reason == "stop"
     assert stopped.generated == whole[: len(stopped.generated)] and len(stopped.generated) <= 22
     assert isinstance(stopped.emit.events[-1], Finished) and scheduler.close(timeout=10)
+
+
+def test_a_turn_queued_before_the_host_reads_the_last_one_changes_no_answer(cpu_engine_dir, engine, engine_dir):
+    """Run-ahead (on CUDA: the next turn queued on the device while the host handles this
+    one), forced on the CPU: a lone stream takes its queued turns; sequences that join,
+    leave and stop mid-turn around queued turns get the tokens they get without it."""
+    from components.runtime import open_engine
+    from serving.scheduler import Scheduler, Sequence
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    torch_engine_ = open_engine(cpu_engine_dir)
+    runner = torch_engine_.runner
+    runner.run_ahead = True
+    hits: list[bool] = []
+    decode_rows = runner.decode_rows
+
+    def recorded(ids, positions, steps, room=0, most=None):
+        queued = runner._queued
+        hits.append(queued is not None and (queued.next_ids, queued.positions) == (list(ids), list(positions)))
+        return decode_rows(ids, positions, steps, room, most)
+
+    runner.decode_rows = recorded
+    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=16)
+    prompt = tokenizer.encode("The list type is")
+    alone = Sequence(prompt, Sampling(max_new_tokens=37, stop_at_eos=False), Recorder())
+    scheduler.submit([alone])
+    assert alone.emit.finished.wait(60)
+    assert hits == [False, True, True]  # turns of 16, then the queued 16 and 4
+    assert alone.generated == engine.generate([prompt], alone.sampling)[0]
+    whole = alone.generated
+    stop = tokenizer.decode(whole[20:22])
+    crowd = [Sequence(tokenizer.encode(f"A function {i} is"), Sampling(max_new_tokens=5 + 6 * i, stop_at_eos=False), Recorder()) for i in range(6)]
+    stopped = Sequence(prompt, Sampling(max_new_tokens=37, stop_at_eos=False), Recorder(), stops=(stop,))
+    hits.clear()
+    scheduler.submit(crowd[:3] + [stopped] + crowd[3:])
+    for seq in [*crowd, stopped]:
+        assert seq.emit.finished.wait(60)
+    assert any(hits) and not all(hits)
+    for seq in crowd:
+        assert seq.generated == engine.generate([seq.prompt], seq.sampling)[0]
+    assert stopped.text == tokenizer.decode(whole)[: tokenizer.decode(whole).index(stop)]
+    assert scheduler.close(timeout=10)
 
 
 def test_its_registry_tags_and_version_page_say_what_it_was_built_from_and_for(cpu_engine_dir, params, tiny_model):

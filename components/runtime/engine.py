@@ -175,10 +175,12 @@ class Engine(ABC):
         }
         return Picked(tokens[:, None], logprobs, failed)
 
-    def decode_turn(self, state: DecodeState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1) -> tuple[Picked, DecodeState]:
+    def decode_turn(self, state: DecodeState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1, room: int = 0) -> tuple[Picked, DecodeState]:
         """`steps` (at most `max_turn_steps`) decode steps for every row, each sampling with
         its own draws; what they picked, and the state after the last step. Here each step's
-        logits come to the host, which picks the next tokens."""
+        logits come to the host, which picks the next tokens. `room` (how many steps the rows
+        may all take before the batch changes) lets a device engine queue the next turn
+        early, and then bring a turn of its own length; here it changes nothing."""
         if not 1 <= steps <= self.max_turn_steps:
             raise ValueError(f"a turn takes 1..{self.max_turn_steps} steps, not {steps}")
         tokens = np.empty((len(next_ids), steps), np.int64)

@@ -776,6 +776,31 @@ def _round_up(n: int, m: int) -> int:
 
 
 @dataclass
+class _TurnOutput:
+    """A decode turn's tokens on their way to the host: a copy into pinned memory queued
+    behind the turn, read when `done` has passed, so the host can queue more first."""
+
+    tokens: Tensor  # (rows, steps) on the host
+    done: torch.cuda.Event | None
+
+    def read(self) -> np.ndarray:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens.numpy().copy()  # the buffer takes a later turn's tokens
+
+
+@dataclass
+class _QueuedTurn:
+    """A turn launched before the host read the turn before it (`decode_rows`'s `room`):
+    valid for a call that feeds the same rows what that turn produced, with nothing run
+    on the slots in between (`drop_queued`)."""
+
+    next_ids: list[int]
+    positions: list[int]
+    output: _TurnOutput
+
+
+@dataclass
 class _Sequence:
     index: int  # position in the caller's prompt list
     slot: int
@@ -860,6 +885,13 @@ class StaticKVRunner:
         self._staging: dict[tuple[int, int], tuple[Tensor, torch.cuda.Event | None]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.widths = sorted({min(1 << i, num_slots) for i in range(num_slots.bit_length() + 1)})
+        # Two pinned buffers a turn's tokens land in: one being read while the next fills.
+        self._host_out = [torch.zeros(num_slots * max_chunk, dtype=torch.long, pin_memory=self.device.type == "cuda") for _ in range(2)]
+        self._next_host_out = 0
+        self._queued: _QueuedTurn | None = None
+        # Queue the next turn before reading this one only where the device runs
+        # asynchronously (on the CPU it would compute tokens that may be thrown away).
+        self.run_ahead = self.device.type == "cuda"
         self.stats = {"decode_graphs": 0, "prefill_graphs": 0, "replays": 0, "syncs": 0}
 
     # ------------------------------------------------------------------ sizes
@@ -925,22 +957,61 @@ class StaticKVRunner:
         self._run(("decode", B, A, k), body, freeze=self.active.zero_)
 
     @torch.no_grad()
-    def decode_rows(self, next_ids: Sequence[int], positions: Sequence[int], steps: int) -> np.ndarray:
-        """`steps` greedy steps for rows 0..B-1 fed `next_ids` at `positions` (kiln serve's
+    def decode_rows(self, next_ids: Sequence[int], positions: Sequence[int], steps: int, room: int = 0, most: int | None = None) -> np.ndarray:
+        """Greedy steps for rows 0..B-1 fed `next_ids` at `positions` (kiln serve's
         sequences, whose prompts were prefilled into those slots): the same k-step graphs
-        as `generate`. Their tokens (B, steps) on the host."""
-        B = len(next_ids)
-        width, attended = self._width(B - 1), self._attn_len(max(positions) + steps)
-        state = torch.tensor([list(next_ids), list(positions)], dtype=torch.long).to(self.device, non_blocking=True)
-        self.tokens[:B].copy_(state[0])
-        self.positions[:B].copy_(state[1])
-        self.active[:B].fill_(True)
-        self.active[B:width].fill_(False)
-        self.positions[B:width].fill_(self.T)  # free slots: scratch
-        self._decode_chunk(width, attended, steps)
-        tokens = self.out[:B, :steps].cpu().numpy()
-        self.active.zero_()
+        as `generate`. Their tokens (B, steps) on the host.
+
+        `room`: how many steps these rows may all take before the batch changes (0: it
+        changes after this turn). Where more than `steps`, the next turn (as many steps as
+        fit, at most `most` or `max_chunk`, a power of two) is queued on the device before this
+        one's tokens are read, so the device works while the host handles them; the call
+        that feeds those rows what this turn produced gets that turn's tokens, whatever
+        its `steps` (the queued turn's own length)."""
+        next_ids, positions = list(next_ids), list(positions)
+        queued = self._queued
+        if queued is not None and (queued.next_ids, queued.positions) == (next_ids, positions):
+            self._queued, output = None, queued.output
+            steps = output.tokens.shape[1]
+        else:
+            self.drop_queued()
+            B = len(next_ids)
+            state = torch.tensor([next_ids, positions], dtype=torch.long).to(self.device, non_blocking=True)
+            self.tokens[:B].copy_(state[0])
+            self.positions[:B].copy_(state[1])
+            self.active[:B].fill_(True)
+            self.active[B : self._width(B - 1)].fill_(False)
+            self.positions[B : self._width(B - 1)].fill_(self.T)  # free slots: scratch
+            output = self._launch_turn(B, max(positions), steps)
+        if self.run_ahead and room > steps:
+            ahead = min(room - steps, most or self.max_chunk)
+            after = [p + steps for p in positions]
+            launched = self._launch_turn(len(next_ids), max(after), 1 << (ahead.bit_length() - 1))
+        tokens = output.read()
+        if self.run_ahead and room > steps:
+            self._queued = _QueuedTurn(tokens[:, -1].tolist(), after, launched)
+        else:
+            self.active.zero_()
         return tokens
+
+    def _launch_turn(self, rows: int, last_position: int, steps: int) -> _TurnOutput:
+        """Queue `steps` steps of the active rows 0..rows-1 (the device state as it stands)
+        and the copy of their tokens to the host."""
+        self._decode_chunk(self._width(rows - 1), self._attn_len(last_position + steps), steps)
+        host = self._host_out[self._next_host_out][: rows * steps].view(rows, steps)
+        self._next_host_out ^= 1
+        host.copy_(self.out[:rows, :steps], non_blocking=self.device.type == "cuda")
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        return _TurnOutput(host, done)
+
+    def drop_queued(self) -> None:
+        """Anything else run on the slots (a prefill, slots moved, scoring) makes a queued
+        turn's tokens stale: it finishes on the device, and nobody reads it."""
+        if self._queued is not None:
+            self._queued = None
+            self.active.zero_()
 
     def _prefill(self, B: int, P: int, A: int, packed_host: Tensor) -> None:
         packed = self._prefill_inputs.get((B, P))
@@ -1028,6 +1099,7 @@ class StaticKVRunner:
                 raise ValueError(f"prompt of {len(p)} tokens + {max_new_tokens} new exceeds the cache's {self.T} positions")
         if max_new_tokens < 1:
             return [[] for _ in prompts]
+        self.drop_queued()
         waiting = list(range(len(prompts)))[::-1]
         running: dict[int, _Sequence] = {}  # slot -> sequence
         finished: list[_Sequence] = []

@@ -105,6 +105,7 @@ class TorchCudaEngine(Engine):
 
         self._check_context(input_ids.shape)
         self._check_no_slots_held("score")
+        self.runner.drop_queued()
         runner, (B, P) = self.runner, input_ids.shape
         ids = torch.as_tensor(input_ids, device=self.device)
         positions = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=runner.T)
@@ -122,6 +123,7 @@ class TorchCudaEngine(Engine):
         B, held = len(input_ids), self._held
         if held + B > self.runner.S:
             raise ShapeOutOfProfile(f"{held} sequences hold slots and {B} more do not fit the engine's {self.runner.S}")
+        self.runner.drop_queued()
         logits = self._prefill_every_position(input_ids, attention_mask) if every_position else self._prefill_last(input_ids, attention_mask)
         self._held = held + B
         return logits, SlotState(self, list(range(held, held + B)), attention_mask.sum(axis=1).astype(np.int64))
@@ -162,22 +164,27 @@ class TorchCudaEngine(Engine):
         """One token for every held slot; its logits (batch, vocab) and the advanced state.
         On CUDA the step is a graph per (rows, attended length) bucket."""
         self._check_turn(state, len(next_ids), int(state.lengths.max()))
+        self.runner.drop_queued()
         logits = self._step(next_ids.tolist(), state.lengths.tolist())
         return logits.numpy(), SlotState(self, state.slots, state.lengths + 1)
 
-    def decode_turn(self, state: SlotState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1) -> tuple[Picked, SlotState]:
+    def decode_turn(self, state: SlotState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1, room: int = 0) -> tuple[Picked, SlotState]:
         """`steps` decode steps for every held slot, sampled on the device: greedy turns
         through `generate`'s k-step graphs, others through graphs that sample each row with
         its own settings and stream (and compute log probabilities where asked). Only the
-        picked ids (and asked-for log probabilities) come back to the host."""
+        picked ids (and asked-for log probabilities) come back to the host. Greedy turns
+        with `room` queue the next turn before the host reads this one
+        (`StaticKVRunner.decode_rows`): a turn may then bring another number of steps."""
         self._check_turn(state, len(next_ids), int(state.lengths.max()) + steps - 1)
         if not 1 <= steps <= self.max_turn_steps:
             raise EngineError(f"a turn takes 1..{self.max_turn_steps} steps, not {steps}")
         ids, positions = next_ids.tolist(), state.lengths.tolist()
         asked = [d.sampling.logprobs for d in draws]
         if all(d.sampling.greedy for d in draws) and all(n is None for n in asked):
-            picked = Picked(self.runner.decode_rows(ids, positions, steps), {}, {})
+            picked = Picked(self.runner.decode_rows(ids, positions, steps, min(room, self.runner.T - int(state.lengths.max())), self.max_turn_steps), {}, {})
+            steps = picked.tokens.shape[1]
         else:
+            self.runner.drop_queued()
             settings = [(d.sampling.temperature, d.sampling.top_p, d.key, d.drawn) for d in draws]
             tokens, logprobs = self._sampled(ids, positions, settings, steps, logprobs=any(n is not None for n in asked))
             picked = Picked(tokens, _token_logprobs(logprobs, asked) if logprobs else {}, {})
@@ -219,6 +226,7 @@ class TorchCudaEngine(Engine):
 
     def _keep(self, slots: list[int]) -> list[int]:
         """Keep only `slots` (held ones, in order), moved down to 0..n-1; the rest are free."""
+        self.runner.drop_queued()
         for new, old in enumerate(slots):
             if new != old:
                 self.runner.k_cache[:, new].copy_(self.runner.k_cache[:, old])
