@@ -247,7 +247,9 @@ class Scheduler:
             if decoded == 1:
                 self._lone_step_s = (time.perf_counter() - started) / steps
             self._advance(picked, rows=list(range(decoded)))
-        admitted = self._take_waiting()
+        # Behind a queued turn a newcomer waits for the next call, which takes that turn:
+        # its prefill now would throw the turn's work away and still wait for it.
+        admitted = [] if self.engine.turn_queued else self._take_waiting()
         if admitted:
             self._prefill(admitted)
         if self._free:

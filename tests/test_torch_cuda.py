@@ -393,12 +393,15 @@ def test_a_turn_queued_before_the_host_reads_the_last_one_changes_no_answer(cpu_
     stop = tokenizer.decode(whole[20:22])
     crowd = [Sequence(tokenizer.encode(f"A function {i} is"), Sampling(max_new_tokens=5 + 6 * i, stop_at_eos=False), Recorder()) for i in range(6)]
     stopped = Sequence(prompt, Sampling(max_new_tokens=37, stop_at_eos=False), Recorder(), stops=(stop,))
+    late = [Sequence(tokenizer.encode(f"When {i}"), Sampling(max_new_tokens=9, stop_at_eos=False), Recorder()) for i in range(2)]
     hits.clear()
     scheduler.submit(crowd[:3] + [stopped] + crowd[3:])
-    for seq in [*crowd, stopped]:
+    assert crowd[0].emit.finished.wait(60)
+    scheduler.submit(late)  # while the others run, some behind a queued turn
+    for seq in [*crowd, stopped, *late]:
         assert seq.emit.finished.wait(60)
     assert any(hits) and not all(hits)
-    for seq in crowd:
+    for seq in crowd + late:
         assert seq.generated == engine.generate([seq.prompt], seq.sampling)[0]
     assert stopped.text == tokenizer.decode(whole)[: tokenizer.decode(whole).index(stop)]
     assert scheduler.close(timeout=10)

@@ -103,6 +103,12 @@ class Engine(ABC):
     # Decode steps one `decode_turn` may take (the scheduler chooses how many; see there).
     max_turn_steps = 16
 
+    @property
+    def turn_queued(self) -> bool:
+        """A turn of the running rows is queued on the device (`decode_turn`'s `room`): the
+        next call takes it. Host engines queue none."""
+        return False
+
     def __init__(self, engine_dir: EngineDir) -> None:
         self.engine_dir = engine_dir
         self.manifest = engine_dir.manifest

@@ -644,7 +644,9 @@ class PrefillGraphs:
         self._pool = torch.cuda.graph_pool_handle() if runner.use_graphs else None
 
     @torch.no_grad()
-    def __call__(self, ids: Tensor, positions: Tensor) -> Tensor:
+    def __call__(self, ids: Tensor, positions: Tensor, rows: slice | None = None) -> Tensor:
+        """The logits of `rows` (default: all) on the host: a newcomer beside running rows
+        brings back its own row, not the batch's (50,257 floats a row for GPT-2)."""
         runner, key = self.runner, tuple(ids.shape)
         inputs = self._inputs.get(key)
         if inputs is None:
@@ -657,7 +659,7 @@ class PrefillGraphs:
             if graph is None:
                 graph = self._graphs[key] = captured(lambda: self._body(inputs), self._pool)
             graph.replay()
-        return self.logits[: key[0]].cpu()
+        return self.logits[: key[0]][rows or slice(None)].cpu()
 
     def _body(self, inputs: Tensor) -> None:
         runner, (width, prompt) = self.runner, inputs.shape[1:]
@@ -1005,6 +1007,10 @@ class StaticKVRunner:
         if done is not None:
             done.record()
         return _TurnOutput(host, done)
+
+    @property
+    def turn_queued(self) -> bool:
+        return self._queued is not None
 
     def drop_queued(self) -> None:
         """Anything else run on the slots (a prefill, slots moved, scoring) makes a queued

@@ -139,7 +139,7 @@ class TorchCudaEngine(Engine):
         positions = torch.full((width, prompt), runner.T, dtype=torch.long)
         ids[held : held + B, prompt - P :] = torch.from_numpy(input_ids)
         positions[held : held + B, prompt - P :] = left_padded_positions(torch.from_numpy(attention_mask), scratch=runner.T)
-        return self._prefill_graphs(ids, positions)[held : held + B, None].numpy()
+        return self._prefill_graphs(ids, positions, rows=slice(held, held + B))[:, None].numpy()
 
     def _prefill_every_position(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Eagerly (`echo` with logprobs scores a prompt: rare, and every position's logits
@@ -189,6 +189,10 @@ class TorchCudaEngine(Engine):
             tokens, logprobs = self._sampled(ids, positions, settings, steps, logprobs=any(n is not None for n in asked))
             picked = Picked(tokens, _token_logprobs(logprobs, asked) if logprobs else {}, {})
         return picked, SlotState(self, state.slots, state.lengths + steps)
+
+    @property
+    def turn_queued(self) -> bool:
+        return self.runner.turn_queued
 
     def pick(self, logits: np.ndarray, draws: list[Draws]) -> Picked:
         """The prefill's first tokens, drawn by the same rule and streams as the device's
