@@ -104,20 +104,36 @@ def engine_generate_fn(engine_path: Path, prompt: list[int], new_tokens: int, th
     return lambda: engine.generate([prompt], sampling)
 
 
-def time_interleaved(candidates: dict[str, Callable[[], None]], setup: BenchSetup) -> dict[str, list[float]]:
+@dataclass(frozen=True)
+class SelfTimed:
+    """A candidate that another program times and warms up (llama-bench): `run` returns its ms."""
+
+    run: Callable[[], float]
+
+
+Candidate = Callable[[], object] | SelfTimed
+
+
+def time_interleaved(candidates: dict[str, Candidate], setup: BenchSetup) -> dict[str, list[float]]:
     """Warm each up, then run them in turn `runs` times: ms per generation, per candidate."""
-    for run in candidates.values():
-        for _ in range(setup.warmup):
-            run()
+    for candidate in candidates.values():
+        for _ in range(0 if isinstance(candidate, SelfTimed) else setup.warmup):
+            _timed_ms(candidate)
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     with stage_progress("bench", total=setup.runs * len(candidates)) as advance:
         for _ in range(setup.runs):
-            for name, run in candidates.items():
-                start = time.perf_counter()
-                run()
-                samples[name].append((time.perf_counter() - start) * 1000.0)
+            for name, candidate in candidates.items():
+                samples[name].append(_timed_ms(candidate))
                 advance(1, name)
     return samples
+
+
+def _timed_ms(candidate: Candidate) -> float:
+    if isinstance(candidate, SelfTimed):
+        return candidate.run()
+    start = time.perf_counter()
+    candidate()
+    return (time.perf_counter() - start) * 1000.0
 
 
 def rows_from_samples(samples: dict[str, list[float]], new_tokens: int, baseline: str) -> list[BenchRow]:
@@ -174,10 +190,14 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
     return model.path, engines
 
 
-def benchmark_rows(work: Path, precisions: list[str], setup: BenchSetup, shape: str = "gpt2-small") -> list[BenchRow]:
-    """`kiln bench`: build (or reuse) the engines, time HF and each engine interleaved."""
+def benchmark_rows(
+    work: Path, precisions: list[str], setup: BenchSetup, shape: str = "gpt2-small", peer: Callable[[Path], dict[str, Candidate]] | None = None
+) -> list[BenchRow]:
+    """`kiln bench`: build (or reuse) the engines, time HF and each engine interleaved;
+    `peer` gives more candidates from the model directory (`kiln bench --peer`)."""
     model_dir, engines = benchmark_engines(work / shape, precisions, setup, SHAPES[shape])
     prompt = random_prompts(1, setup.prompt_tokens, SHAPES[shape]["vocab_size"], setup.seed)[0]
-    candidates = {"hf-eager-fp32": hf_generate_fn(model_dir, prompt, setup.new_tokens)}
+    candidates: dict[str, Candidate] = {"hf-eager-fp32": hf_generate_fn(model_dir, prompt, setup.new_tokens)}
     candidates |= {f"kiln-ort-{p}": engine_generate_fn(path, prompt, setup.new_tokens) for p, path in engines.items()}
+    candidates |= peer(model_dir) if peer else {}
     return rows_from_samples(time_interleaved(candidates, setup), setup.new_tokens, baseline="hf-eager-fp32")

@@ -257,6 +257,8 @@ def bench(
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
     shape: Annotated[str, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads) or tiny (a quick check that it runs)")] = "gpt2-small",
     device: Annotated[str, typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF eager fp16 and HF static cache + torch.compile vs the torch-cuda engine, batch 1 and 16")] = "cpu",
+    peer: Annotated[str | None, typer.Option(help="llama.cpp: also time llama-bench on the same model as GGUF (int8 beside Q8_0, int4 beside Q4_0), interleaved")] = None,
+    llama_cpp: Annotated[Path | None, typer.Option(help="llama.cpp checkout or build folder for --peer (default: $KILN_LLAMA_CPP, else PATH)")] = None,
 ) -> None:
     """Side-by-side generation benchmark: HF generate vs kiln engines, on a model of --shape with random weights.
     `kiln bench serving` benchmarks the server instead."""
@@ -270,14 +272,31 @@ def bench(
     if device not in ("cpu", "cuda"):
         _fail(KilnError(f"--device {device!r} is not cpu or cuda"))
     setup = bm.BenchSetup(runs=runs)
+    peer_bench = _peer(peer, llama_cpp, device, precisions.split(","), setup, work / shape / "gguf")
     if device == "cuda":
         return _bench_cuda(work, setup, shape, json_path)
     with _one_line_errors():
-        rows = bm.benchmark_rows(work, precisions.split(","), setup, shape)
+        rows = bm.benchmark_rows(work, precisions.split(","), setup, shape, peer_bench.candidates if peer_bench else None)
     render.bench_rows(rows, setup, shape)
+    if peer_bench is not None:
+        render.peer_rows(peer_bench.rows(rows), setup, shape)
     if json_path is not None:
         bm.write_json(rows, setup, json_path)
         render.console.print(f"rows written to {json_path}")
+
+
+def _peer(name: str | None, llama_cpp: Path | None, device: str, precisions: list[str], setup, cache: Path):
+    """The --peer's candidates, or None; its tools are looked for before any work (exit 2)."""
+    if name is None:
+        return None
+    if name != "llama.cpp":
+        _fail(KilnError(f"--peer {name!r} is not llama.cpp"))
+    if device != "cpu":
+        _fail(KilnError("--peer llama.cpp times the CPU: leave out --device cuda"))
+    from benchmarks.llama_cpp_peer import LlamaCppPeer, find_llama_cpp
+
+    with _one_line_errors():
+        return LlamaCppPeer(find_llama_cpp(llama_cpp), precisions, setup, cache)
 
 
 def _bench_cuda(work: Path, setup, shape: str, json_path: Path | None) -> None:

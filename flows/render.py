@@ -100,6 +100,24 @@ def bench_rows(rows, setup, shape: str, batch: int = 1) -> None:
     console.print(table)
 
 
+def peer_rows(rows, setup, shape: str) -> None:
+    """kiln beside llama.cpp, precision by precision, per token of the same work (fits 80 columns)."""
+    threads = ", ".join(sorted({str(row.peer_threads) for row in rows}))
+    table = Table(
+        title=f"kiln vs llama.cpp, {setup.prompt_tokens} + {setup.new_tokens} tokens, batch 1, {shape} shape",
+        caption=f"ms/token: a whole generation's median over {setup.new_tokens}; ratio: kiln ÷ llama.cpp (above 1: llama.cpp is faster); "
+        f"pp, tg: llama-bench's prompt of {setup.prompt_tokens} alone and new tokens alone; llama.cpp on {threads} threads",
+    )
+    for column in ("kiln", "ms/token", "llama.cpp", "ms/token", "ratio", f"pp{setup.prompt_tokens} ms", "tg ms/token"):
+        table.add_column(column, justify="left" if column in ("kiln", "llama.cpp") else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(
+            row.precision, f"{row.kiln_ms_per_token:.3f}", row.ggml_type, f"{row.peer_ms_per_token:.3f}", f"{row.kiln_over_peer:.2f}×",
+            f"{row.peer_prefill_ms:.1f}", f"{row.peer_decode_ms_per_token:.3f}",
+        )  # fmt: skip
+    console.print(table)
+
+
 def serving_rows(rows, setup, every_round) -> None:
     """One table per engine (its name in the title, so the rows fit an 80-column terminal or
     CI log); the ratio is tokens/s against that engine's one-at-a-time row, and "of gen"
