@@ -272,7 +272,7 @@ def bench(
     if device not in ("cpu", "cuda"):
         _fail(KilnError(f"--device {device!r} is not cpu or cuda"))
     setup = bm.BenchSetup(runs=runs)
-    peer_bench = _peer(peer, llama_cpp, device, precisions.split(","), setup, work / shape / "gguf")
+    peer_bench = _bench_peer(peer, llama_cpp, device, precisions.split(","), setup, work / shape / "gguf")
     if device == "cuda":
         return _bench_cuda(work, setup, shape, json_path)
     with _one_line_errors():
@@ -285,7 +285,7 @@ def bench(
         render.console.print(f"rows written to {json_path}")
 
 
-def _peer(name: str | None, llama_cpp: Path | None, device: str, precisions: list[str], setup, cache: Path):
+def _bench_peer(name: str | None, llama_cpp: Path | None, device: str, precisions: list[str], setup, cache: Path):
     """The --peer's candidates, or None; its tools are looked for before any work (exit 2)."""
     if name is None:
         return None
@@ -369,6 +369,17 @@ def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], g
 
         found["gpt2-small int8"] = bm.benchmark_engines(Path(".kiln/bench/gpt2-small"), ["int8"], bm.BenchSetup())[1]["int8"]
     return found
+
+
+@app.command()
+def monitoring(params_file: ParamsOption = Path("params.yaml")) -> None:
+    """Write the Grafana dashboard (deploy/grafana/kiln-serve.json) and the Prometheus rules
+    (deploy/prometheus/rules.yml, budgets from the params) for kiln serve."""
+    from flows.monitoring import write
+
+    with _one_line_errors():
+        for path in write(_load(params_file), Path.cwd()):
+            render.console.print(f"wrote {path}")
 
 
 @app.command()

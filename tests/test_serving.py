@@ -900,6 +900,28 @@ def test_metrics_count_what_clients_received(server):
     assert after["kiln_ready"] == 1 and after['kiln_engine_swaps_total{"result": "swapped"}'] == 1
 
 
+def test_every_metric_the_dashboard_and_the_alerts_query_is_one_kiln_serve_exports(server):
+    """Read from the live server's /metrics (names with their sample suffixes, labelled
+    families too before their first sample), not from a list kept beside the dashboard."""
+    import re
+
+    from components.config import load_params
+    from flows import monitoring
+
+    exported = set()
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}.get(family.type, ("",))
+        exported |= {family.name + suffix for suffix in suffixes}
+    exprs = [t["expr"] for p in monitoring.dashboard()["panels"] for t in p.get("targets") or []]
+    rules = monitoring.rules(load_params(Path(__file__).resolve().parents[1] / "params.yaml"))
+    exprs += [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    queried = {name for expr in exprs for name in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\{", expr)}
+    # `up` is Prometheus's own; GPU gauges exist where a GPU does (tested apart, checked on the H200).
+    missing = {name for name in queried - exported if name != "up" and not name.startswith("kiln_gpu_")}
+    assert not missing, f"the dashboard or the rules query metrics kiln serve does not export: {sorted(missing)}"
+    assert {"kiln_request_duration_seconds_bucket", "kiln_served_engine_info", "kiln_engine_process_start_time_seconds"} <= queried
+
+
 class SlowSteps(Engine):
     """The real engine, each forward pass (prefill or decode step) `seconds` slower: a
     request's first token then comes one step after arrival, its last after all of them,
