@@ -396,6 +396,8 @@ def up(
     mlflow_port: int = 5000,
     prefect_port: int = 4200,
     serve_port: Annotated[int | None, typer.Option(help="the port `kiln serve` will listen on, where the MLflow UI's alias changes are sent (default: serving.port)")] = None,
+    monitoring: Annotated[bool, typer.Option(help="also start Prometheus (Debian's `prometheus`), scraping kiln serve with kiln's rules")] = False,
+    prometheus_port: int = 9090,
 ) -> None:
     """Local MLflow server (the embedded SQLite store and artifacts) and Prefect server, for the UIs."""
     from flows.servers import serve_uis
@@ -403,7 +405,7 @@ def up(
     root = Path.cwd()
     _prepare_environment(root)
     with _one_line_errors():
-        serve_uis(root, _load(params_file), mlflow_port, prefect_port, serve_port)
+        serve_uis(root, _load(params_file), mlflow_port, prefect_port, serve_port, prometheus_port if monitoring else None)
 
 
 @app.command()

@@ -6,11 +6,13 @@ files are what this module makes, that every expression parses and every metric 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import yaml
 
 from components.config import Params
+from components.errors import KilnError
 
 DASHBOARD_FILE = Path("deploy/grafana/kiln-serve.json")
 RULES_FILE = Path("deploy/prometheus/rules.yml")
@@ -69,7 +71,9 @@ def _alert(name: str, expr: str, for_: str, severity: str, summary: str) -> dict
 
 
 def _error_ratio(window: str) -> str:
-    return f'sum by (instance) (rate(kiln_requests_total{{{JOB},outcome="error"}}[{window}])) / sum by (instance) (rate(kiln_requests_total{{{JOB}}}[{window}]))'
+    """Server errors over all requests; 0, not "no data", while there are none."""
+    every = f"sum by (instance) (rate(kiln_requests_total{{{JOB}}}[{window}]))"
+    return f'(sum by (instance) (rate(kiln_requests_total{{{JOB},outcome="error"}}[{window}])) or {every} * 0) / {every}'
 
 
 def _percent(q: float) -> str:
@@ -158,8 +162,8 @@ def _rows() -> list[tuple[str, list]]:
             _served_engine(),
             _timeseries("Swaps by result", "short", [(f"sum by (result) (increase(kiln_engine_swaps_total{{{JOB}}}[{rate}]))", "{{result}}")]),
             _timeseries("Engine process restarts", "short", [(f"changes(kiln_engine_process_start_time_seconds{{{JOB}}}[{rate}])", "{{instance}}")]),
-            _timeseries("Engine load (pull, verify, load, warm-up)", "s", [
-                (f"rate(kiln_engine_load_seconds_sum{{{JOB}}}[{rate}]) / rate(kiln_engine_load_seconds_count{{{JOB}}}[{rate}])", "{{instance}}"),
+            _timeseries("Engine load (pull, verify, load, warm-up), mean since start", "s", [
+                (f"kiln_engine_load_seconds_sum{{{JOB}}} / kiln_engine_load_seconds_count{{{JOB}}}", "{{instance}}"),
             ]),
         ]),
         ("Resources", [
@@ -244,3 +248,34 @@ def write(params: Params, root: Path) -> list[Path]:
         path.write_text(text)
         written.append(path)
     return written
+
+
+# ---------------------------------------------------------------- `kiln up --monitoring`
+
+
+def prometheus_command(root: Path, params: Params, port: int, serve_port: int, scrape_interval_s: float = 5.0) -> list[str]:
+    """Debian's Prometheus scraping the project's `kiln serve` (on `serve_port`) with the
+    rules for these params, its config and data under .kiln/monitoring."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise KilnError("kiln up --monitoring needs Prometheus, which is not installed: apt-get install prometheus (Debian's package)")
+    folder = root / ".kiln" / "monitoring"
+    folder.mkdir(parents=True, exist_ok=True)
+    rules_path = folder / "rules.yml"
+    rules_path.write_text(rendered(params)[RULES_FILE])
+    config = folder / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prometheus_config(rules_path, [f"{_local(params.serving.host)}:{serve_port}"], scrape_interval_s), sort_keys=False))
+    return [binary, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]
+
+
+def prometheus_config(rules_path: Path, serve_targets: list[str], scrape_interval_s: float) -> dict:
+    interval = f"{scrape_interval_s:g}s"
+    return {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(rules_path)],
+        "scrape_configs": [{"job_name": "kiln-serve", "static_configs": [{"targets": serve_targets}]}],
+    }
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

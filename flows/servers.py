@@ -1,4 +1,5 @@
-"""`kiln up`: the MLflow UI on the project's store and a Prefect server, until Ctrl-C."""
+"""`kiln up`: the MLflow UI on the project's store and a Prefect server (and with
+--monitoring a Prometheus scraping `kiln serve`), until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -37,27 +38,37 @@ def server_commands(root: Path, params: Params, mlflow_port: int, prefect_port: 
     }
 
 
-def serve_uis(root: Path, params: Params, mlflow_port: int, prefect_port: int, serve_port: int | None = None) -> None:
+def serve_uis(
+    root: Path, params: Params, mlflow_port: int, prefect_port: int, serve_port: int | None = None, prometheus_port: int | None = None
+) -> None:
     """`serve_port`: where `kiln serve` will listen (default serving.port), which the
-    MLflow server's webhook is sent to."""
+    MLflow server's webhook is sent to and Prometheus (where `prometheus_port` is given)
+    scrapes."""
+    from flows.monitoring import DASHBOARD_FILE, prometheus_command
+
     console = Console(soft_wrap=True)  # addresses and commands to copy whole, whatever the width
     serve_port = serve_port or params.serving.port
     commands = server_commands(root, params, mlflow_port, prefect_port)
+    if prometheus_port is not None:
+        commands["prometheus"] = prometheus_command(root, params, prometheus_port, serve_port)
     registry_target(params.registry, root).artifact_root.mkdir(parents=True, exist_ok=True)
     # A TERM (from a supervisor, or `timeout`) must still stop both servers below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    environments = {"mlflow": os.environ | webhook_environment(root), "prefect": os.environ.copy()}
+    environments = {"mlflow": os.environ | webhook_environment(root)}
     processes = {
-        name: subprocess.Popen(command, cwd=root, env=environments[name], start_new_session=True)
+        name: subprocess.Popen(command, cwd=root, env=environments.get(name, os.environ.copy()), start_new_session=True)
         for name, command in commands.items()
     }
     console.print(f"MLflow UI  http://127.0.0.1:{mlflow_port}   (models → {params.registry.model_name})")
     console.print(f"Prefect UI http://127.0.0.1:{prefect_port}")
+    if prometheus_port is not None:
+        console.print(f"Prometheus http://127.0.0.1:{prometheus_port}   (scrapes kiln serve on port {serve_port}; rules .kiln/monitoring/rules.yml)")
+        console.print(f"Grafana: import {root / DASHBOARD_FILE} (Dashboards → New → Import) with this Prometheus as its data source")
     try:
         hook = register_serving_webhook(root, params, f"http://127.0.0.1:{mlflow_port}", processes["mlflow"], serve_port)
         console.print(f"alias changes made in the MLflow UI → {hook} (kiln serve)")
         console.print(next_steps(mlflow_port, prefect_port, serve_port, params.serving.port), highlight=False)
-        console.print("Ctrl-C stops both.")
+        console.print("Ctrl-C stops them all.")
         while all(p.poll() is None for p in processes.values()):
             time.sleep(1)
         dead = [name for name, p in processes.items() if p.poll() is not None]

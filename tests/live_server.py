@@ -91,6 +91,7 @@ def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
 
 
 KILN = str(Path(sys.executable).parent / "kiln")
+READY = "Ctrl-C stops them all"  # kiln up's last line once every server answers
 
 
 def answers(url: str) -> bool:
@@ -101,28 +102,35 @@ def answers(url: str) -> bool:
 
 
 @contextmanager
-def kiln_up(root: Path, *flags: str) -> Iterator[SimpleNamespace]:
-    """`kiln up` in a project, as a user starts it: both servers must answer; yields their
-    URLs and an environment whose kiln verbs talk to its Prefect server (so no run starts a
-    temporary one); SIGTERM on the way out must stop both."""
-    mlflow_port, prefect_port = free_port(), free_port()
+def kiln_up(root: Path, *flags: str, prometheus: bool = False) -> Iterator[SimpleNamespace]:
+    """`kiln up` in a project, as a user starts it: its servers must answer (Prometheus too
+    with `prometheus`: `--monitoring`); yields their URLs and an environment whose kiln verbs
+    talk to its Prefect server (so no run starts a temporary one); SIGTERM on the way out
+    must stop them all."""
+    mlflow_port, prefect_port, prometheus_port = free_port(), free_port(), free_port()
+    monitoring = ["--monitoring", "--prometheus-port", str(prometheus_port)] if prometheus else []
     log = (root / "kiln-up.log").open("w")  # a file, not a pipe nobody reads: the servers are chatty
     up = subprocess.Popen(
-        [KILN, "up", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port), *flags],
+        [KILN, "up", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port), *monitoring, *flags],
         cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     health = {"mlflow": f"http://127.0.0.1:{mlflow_port}/health", "prefect": f"http://127.0.0.1:{prefect_port}/api/health"}
+    if prometheus:
+        health["prometheus"] = f"http://127.0.0.1:{prometheus_port}/-/ready"
     deadline = time.monotonic() + 120
     while not all(map(answers, health.values())) and time.monotonic() < deadline and up.poll() is None:
         time.sleep(0.5)
     # Ready when it says so: the webhook to kiln serve is registered after MLflow answers.
-    while "Ctrl-C stops both" not in (root / "kiln-up.log").read_text() and time.monotonic() < deadline and up.poll() is None:
+    while READY not in (root / "kiln-up.log").read_text() and time.monotonic() < deadline and up.poll() is None:
         time.sleep(0.5)
-    if not all(map(answers, health.values())) or "Ctrl-C stops both" not in (root / "kiln-up.log").read_text():
+    if not all(map(answers, health.values())) or READY not in (root / "kiln-up.log").read_text():
         up.kill()
-        raise RuntimeError(f"kiln up did not bring both servers up (exit {up.wait()}): {(root / 'kiln-up.log').read_text()[-3000:]}")
+        raise RuntimeError(f"kiln up did not bring its servers up (exit {up.wait()}): {(root / 'kiln-up.log').read_text()[-3000:]}")
     env = os.environ | {"PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
-    yield SimpleNamespace(root=root, env=env, mlflow=f"http://127.0.0.1:{mlflow_port}", prefect=f"http://127.0.0.1:{prefect_port}")
+    yield SimpleNamespace(
+        root=root, env=env, mlflow=f"http://127.0.0.1:{mlflow_port}", prefect=f"http://127.0.0.1:{prefect_port}",
+        prometheus=f"http://127.0.0.1:{prometheus_port}" if prometheus else None,
+    )  # fmt: skip
 
     up.send_signal(signal.SIGTERM)
     assert up.wait(timeout=60) == 143

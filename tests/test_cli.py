@@ -6,9 +6,10 @@ import signal
 import subprocess
 import sys
 import time
+import shutil
+import urllib.parse
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -19,6 +20,8 @@ from flows.cli import app
 
 from .conftest import make_project, new_project_store, tiny_params
 from .live_server import answers, free_port, kiln_up
+
+PROMETHEUS = shutil.which("prometheus")  # Debian's package; without it kiln up runs without --monitoring
 
 KILN = str(Path(sys.executable).parent / "kiln")
 VERBS = ["run", "build", "gate", "promote", "rollback", "lineage", "serve", "doctor", "up", "deploy", "worker", "data add"]
@@ -108,7 +111,7 @@ def served(tmp_path_factory):
     new_project_store(root)
     write_params(root / "params.yaml", tiny_params(root, serving=ServingParams(port=free_port(), poll_interval_s=1)))
     serve_port = free_port()  # not serving.port: `kiln up --serve-port` says where kiln serve will listen
-    with kiln_up(root, "--serve-port", str(serve_port)) as up:
+    with kiln_up(root, "--serve-port", str(serve_port), prometheus=PROMETHEUS is not None) as up:
         up.serve_port = serve_port
         yield up
 
@@ -118,6 +121,43 @@ def test_kiln_up_prints_what_another_shell_of_the_project_needs(served):
     assert f"alias changes made in the MLflow UI → http://127.0.0.1:{served.serve_port}/hooks/mlflow" in log
     assert f"export PREFECT_API_URL={served.prefect}/api" in log
     assert f"kiln serve --port {served.serve_port}" in log and f"kiln deploy --mlflow-url {served.mlflow}" in log
+
+
+def test_kiln_up_monitoring_without_prometheus_says_which_package_in_one_line(tmp_path):
+    root = make_project(tmp_path / "p")
+    write_params(root / "params.yaml", tiny_params(root))
+    bare = os.environ | {"PATH": str(Path(sys.executable).parent)}  # kiln's own programs, no prometheus
+    result = subprocess.run([KILN, "up", "--monitoring"], cwd=root, capture_output=True, text=True, timeout=120, env=bare)
+    assert result.returncode == 2 and result.stderr.count("error:") == 1
+    assert "apt-get install prometheus" in result.stderr and "Traceback" not in result.stderr
+
+
+def prometheus_query(served, expr: str) -> list:
+    url = f"{served.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    answer = get_json(url)
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def check_prometheus_watches_kiln_serve(served, port: int) -> None:
+    """kiln up's Prometheus: the kiln serve target up, kiln's rules loaded, and every panel
+    query of the dashboard answering with data (the GPU's aside on a CPU machine)."""
+    from flows import monitoring
+
+    deadline = time.monotonic() + 60
+    while not any(t["health"] == "up" and t["scrapeUrl"].endswith(f":{port}/metrics") for t in get_json(f"{served.prometheus}/api/v1/targets")["data"]["activeTargets"]):
+        assert time.monotonic() < deadline, get_json(f"{served.prometheus}/api/v1/targets")
+        time.sleep(1)
+    groups = {g["name"]: g for g in get_json(f"{served.prometheus}/api/v1/rules")["data"]["groups"]}
+    assert {"kiln-serve-recording", "kiln-serve-alerts"} <= set(groups)
+    assert any(r["name"] == "KilnRequestLatencyOverBudget" for r in groups["kiln-serve-alerts"]["rules"])
+    exprs = [t["expr"] for p in monitoring.dashboard()["panels"] for t in p.get("targets") or [] if "kiln_gpu_" not in t["expr"]]
+    deadline = time.monotonic() + 60  # rates need two scrapes (5 s apart) inside their window
+    empty = exprs
+    while empty and time.monotonic() < deadline:
+        time.sleep(2)
+        empty = [e for e in exprs if not prometheus_query(served, e.replace("$__rate_interval", "1m").replace("$version", ".*"))]
+    assert not empty, f"dashboard queries without data: {empty}"
 
 
 def kiln_in(served, *args: str) -> subprocess.CompletedProcess:
@@ -174,6 +214,8 @@ def test_kiln_serve_answers_with_the_champion_and_hears_alias_changes_from_the_m
         assert card["engine_sha256"] == {t["key"]: t["value"] for t in version["tags"]}["engine_sha256"]
         answer = OpenAI(base_url=f"{url}/v1", api_key="unused").completions.create(model="kiln-tiny", prompt="The list", max_tokens=5)
         assert answer.usage.completion_tokens >= 1
+        if served.prometheus is not None:
+            check_prometheus_watches_kiln_serve(served, port)
 
         body = json.dumps({"name": "kiln-tiny", "alias": "champion", "version": "1"}).encode()
         request = urllib.request.Request(f"{served.mlflow}/api/2.0/mlflow/registered-models/alias", data=body, method="POST", headers={"Content-Type": "application/json"})
