@@ -179,6 +179,7 @@ def _rows() -> list[tuple[str, list]]:
             _timeseries("GPU memory", "bytes", [
                 (f"kiln_gpu_memory_used_bytes{{{JOB}}}", "used, GPU {{gpu}}"),
                 (f"kiln_gpu_memory_total_bytes{{{JOB}}}", "total, GPU {{gpu}}"),
+                (f"kiln_gpu_engine_process_memory_used_bytes{{{JOB}}}", "engine process, GPU {{gpu}}"),
             ]),
         ]),
     ]  # fmt: skip

@@ -3,8 +3,6 @@ app's own so two apps in one process (tests, a swap) never collide in the global
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
@@ -20,8 +18,9 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds
-        if shutil.which("nvidia-smi"):
-            self.registry.register(GpuCollector())
+        self.gpu = GpuCollector.if_present()
+        if self.gpu is not None:
+            self.registry.register(self.gpu)
         r = self.registry
         self.request_duration = Histogram(
             "kiln_request_duration_seconds", "Whole completion requests, arrival to last byte.", registry=r, buckets=_REQUEST_BUCKETS
@@ -50,8 +49,11 @@ class ServerMetrics:
 
     def watch_engine_process(self, pid: Callable[[], int | None]) -> None:
         """The served engine's own process (serving.engine_process): its memory and CPU as
-        `kiln_engine_process_*`, read from /proc at scrape time (nothing while none runs)."""
+        `kiln_engine_process_*`, read from /proc at scrape time (nothing while none runs),
+        and its GPU memory where there is a GPU."""
         ProcessCollector(namespace="kiln_engine", pid=lambda: pid() or "none", registry=self.registry)
+        if self.gpu is not None:
+            self.gpu.engine_pid = pid
 
     def observe_batch(self, running: int, waiting: int, decoded: int) -> None:
         self.running_batch.set(running)
@@ -62,33 +64,40 @@ class ServerMetrics:
 
 
 class GpuCollector(Collector):
-    """GPU utilisation and memory per device, read from `nvidia-smi` at scrape time (no
-    NVML binding is in the stack; a scrape every few seconds can afford a subprocess)."""
+    """Per GPU, through NVML (nvidia-ml-py) at scrape time: utilisation, memory used and
+    total, and the memory the engine process itself holds there. Registered only where NVML
+    starts (a machine with an NVIDIA driver): elsewhere the series are absent, not zero."""
 
-    QUERY = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv,noheader,nounits"]
+    def __init__(self, nvml, engine_pid: Callable[[], int | None] = lambda: None) -> None:
+        self._nvml = nvml
+        self.engine_pid = engine_pid
+
+    @classmethod
+    def if_present(cls) -> GpuCollector | None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # no driver library, no device, no permission: no GPU to report
+            return None
+        return cls(pynvml)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        utilisation = GaugeMetricFamily("kiln_gpu_utilization_ratio", "GPU busy fraction (nvidia-smi).", labels=["gpu"])
-        used = GaugeMetricFamily("kiln_gpu_memory_used_bytes", "GPU memory in use (nvidia-smi).", labels=["gpu"])
-        total = GaugeMetricFamily("kiln_gpu_memory_total_bytes", "GPU memory (nvidia-smi).", labels=["gpu"])
-        for index, busy_pct, used_mib, total_mib in gpu_readings(self.QUERY):
-            utilisation.add_metric([index], busy_pct / 100)
-            used.add_metric([index], used_mib * 2**20)
-            total.add_metric([index], total_mib * 2**20)
-        yield from (utilisation, used, total)
-
-
-def gpu_readings(command: list[str]) -> list[tuple[str, float, float, float]]:
-    """(index, utilisation %, used MiB, total MiB) per GPU; empty when nvidia-smi fails."""
-    try:
-        output = subprocess.run(command, capture_output=True, text=True, timeout=2, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    readings = []
-    for line in output.strip().splitlines():
-        parts = [part.strip() for part in line.split(",")]
-        try:
-            readings.append((parts[0], float(parts[1]), float(parts[2]), float(parts[3])))
-        except (IndexError, ValueError):  # "[N/A]" on some boards: skip that GPU
-            continue
-    return readings
+        nvml, pid = self._nvml, self.engine_pid()
+        utilisation = GaugeMetricFamily("kiln_gpu_utilization_ratio", "GPU busy fraction over NVML's last sample period.", labels=["gpu"])
+        used = GaugeMetricFamily("kiln_gpu_memory_used_bytes", "GPU memory in use, every process.", labels=["gpu"])
+        total = GaugeMetricFamily("kiln_gpu_memory_total_bytes", "GPU memory.", labels=["gpu"])
+        engine = GaugeMetricFamily("kiln_gpu_engine_process_memory_used_bytes", "GPU memory the engine process holds.", labels=["gpu"])
+        for index in range(nvml.nvmlDeviceGetCount()):
+            gpu, handle = str(index), nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            used.add_metric([gpu], memory.used)
+            total.add_metric([gpu], memory.total)
+            try:
+                utilisation.add_metric([gpu], nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
+            except nvml.NVMLError:  # not supported (a MIG slice): that series stays absent
+                pass
+            held = [p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if pid and p.pid == pid and p.usedGpuMemory is not None]
+            if held:
+                engine.add_metric([gpu], sum(held))
+        yield from (utilisation, used, total, engine)

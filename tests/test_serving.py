@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 from openai import OpenAI
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from components.runtime.engine import Engine
@@ -1202,18 +1203,38 @@ def test_the_loader_keeps_only_the_last_few_pulled_versions_and_never_the_served
     assert sorted(p.name for p in (cache / MODEL).iterdir() if not p.name.startswith(".")) == [store.int8]
 
 
-def test_gpu_metrics_come_from_nvidia_smi_where_a_gpu_is_present(tmp_path):
-    """The collector runs where `nvidia-smi` exists; here a stand-in prints what it prints."""
-    from serving.metrics import GpuCollector
+def test_gpu_metrics_are_absent_without_a_gpu_and_come_from_nvml_with_one():
+    """Here NVML cannot start (no driver): no kiln_gpu_* series at all, not zeros. With a GPU
+    (checked on the lent H200) the collector reads NVML; a stand-in with NVML's calls and
+    shapes: two boards, one without utilisation (a MIG slice), the engine process on one."""
+    from types import SimpleNamespace
 
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho '0, 37, 1024, 81559'\necho '1, [N/A], 0, 81559'\n")
-    fake.chmod(0o755)
-    collector = GpuCollector()
-    collector.QUERY = [str(fake)]
-    families = {family.name: family.samples for family in collector.collect()}
-    assert [(s.labels["gpu"], s.value) for s in families["kiln_gpu_utilization_ratio"]] == [("0", 0.37)]
-    assert families["kiln_gpu_memory_used_bytes"][0].value == 1024 * 2**20
+    from serving.metrics import GpuCollector, ServerMetrics
+
+    assert GpuCollector.if_present() is None
+    assert "kiln_gpu_" not in generate_latest(ServerMetrics().registry).decode()
+
+    class NVMLError(Exception):
+        pass
+
+    def utilisation(handle):
+        if handle == 1:
+            raise NVMLError("Not Supported")
+        return SimpleNamespace(gpu=37)
+
+    running = {0: [SimpleNamespace(pid=4242, usedGpuMemory=3 * 2**30), SimpleNamespace(pid=7, usedGpuMemory=2**30)], 1: []}
+    nvml = SimpleNamespace(
+        NVMLError=NVMLError, nvmlDeviceGetCount=lambda: 2, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=(4 + h) * 2**30, total=141 * 2**30),
+        nvmlDeviceGetUtilizationRates=utilisation, nvmlDeviceGetComputeRunningProcesses=lambda h: running[h],
+    )  # fmt: skip
+    families = {f.name: [(s.labels["gpu"], s.value) for s in f.samples] for f in GpuCollector(nvml, engine_pid=lambda: 4242).collect()}
+    assert families["kiln_gpu_utilization_ratio"] == [("0", 0.37)]
+    assert families["kiln_gpu_memory_used_bytes"] == [("0", 4 * 2**30), ("1", 5 * 2**30)]
+    assert families["kiln_gpu_memory_total_bytes"] == [("0", 141 * 2**30), ("1", 141 * 2**30)]
+    assert families["kiln_gpu_engine_process_memory_used_bytes"] == [("0", 3 * 2**30)]
+    idle = {f.name: f.samples for f in GpuCollector(nvml).collect()}  # no engine process yet
+    assert idle["kiln_gpu_engine_process_memory_used_bytes"] == []
 
 
 def test_a_version_whose_backend_cannot_run_here_is_refused_naming_it(tmp_path, engine_dir, caplog):
