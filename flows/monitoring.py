@@ -166,6 +166,17 @@ def _rows() -> list[tuple[str, list]]:
                 (f"kiln_engine_load_seconds_sum{{{JOB}}} / kiln_engine_load_seconds_count{{{JOB}}}", "{{instance}}"),
             ]),
         ]),
+        ("Pipeline", [
+            _timeseries("Engines registered (each rebuild adds its precisions)", "short", [
+                (f"max by (precision) (sum by (instance, precision) (kiln_registry_versions{{{JOB}}}))", "{{precision}}"),
+            ]),
+            _timeseries("Registered engines by gate result", "short", [
+                (f"max by (gates_passed) (sum by (instance, gates_passed) (kiln_registry_versions{{{JOB}}}))", "gates passed: {{gates_passed}}"),
+            ]),
+            _timeseries("Hours since the last registration", "h", [
+                (f"(time() - max(kiln_registry_last_registered_timestamp_seconds{{{JOB}}})) / 3600", "since the last engine"),
+            ]),
+        ]),
         ("Resources", [
             _timeseries("Memory (resident)", "bytes", [
                 (f"process_resident_memory_bytes{{{JOB}}}", "server {{instance}}"),

@@ -20,6 +20,7 @@ from registry.store import (
     register_engine,
     resolve_alias,
     tag_version,
+    version_tags_by_version,
     versions_tagged,
 )
 from registry.target import registry_target
@@ -52,5 +53,6 @@ __all__ = [
     "rollback",
     "tag_version",
     "version_lineage",
+    "version_tags_by_version",
     "versions_tagged",
 ]

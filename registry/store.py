@@ -102,6 +102,18 @@ def versions_tagged(target: RegistryTarget, tags: dict[str, str]) -> list[Versio
     return [_version_info(client, target.model_name, v.version) for v in sorted(found, key=lambda v: int(v.version))]
 
 
+def version_tags_by_version(target: RegistryTarget) -> dict[str, tuple[dict[str, str], float]]:
+    """Every version of the model: its tags and when it was registered (Unix seconds), in
+    one search (no aliases: read those per version with `resolve_alias`)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = _client(target).search_model_versions(f"name='{target.model_name}'")
+    except MlflowException as err:
+        raise RegistryError(f"cannot search the registry at {target.tracking_uri}: {err.message}") from err
+    return {str(v.version): (dict(v.tags), v.creation_timestamp / 1000) for v in found}
+
+
 def _version_info(client, name: str, version: str) -> VersionInfo:
     # search_model_versions() returns empty aliases (MLflow bug): read them from the model.
     mv = client.get_model_version(name, version)

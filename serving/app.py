@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from components.errors import KilnError
+from registry import version_tags_by_version
 from serving import handlers
 from serving.engine_process import RuntimeOptions
 from serving.follow import AliasFollower, NothingToServe, ServedEngine
@@ -28,7 +29,7 @@ from serving.handlers import ApiError
 from serving.metrics import ServerMetrics
 from serving.schemas import ErrorBody, ErrorDetail
 from serving.sse import EventStream
-from serving.sources import EngineSource
+from serving.sources import AliasSource, EngineSource
 from serving.webhooks import WebhookRejected, verified_alias_event
 
 log = logging.getLogger("kiln.serving")
@@ -60,6 +61,8 @@ def create_app(source: EngineSource, settings: ServerSettings = ServerSettings()
     )
     follower.observe_batches(metrics.observe_batch)
     metrics.watch_engine_process(lambda: follower.current.scheduler.pid if follower.current else None)
+    if isinstance(source, AliasSource):
+        metrics.watch_registry(lambda: version_tags_by_version(source.target))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

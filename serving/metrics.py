@@ -3,11 +3,15 @@ app's own so two apps in one process (tests, a swap) never collide in the global
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from registry.tags import GATES_PASSED, PRECISION
 
 # Request times on a 2-core CPU run from milliseconds (one token) to seconds (a long stream).
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -46,6 +50,10 @@ class ServerMetrics:
         self.webhooks = Counter("kiln_webhook_deliveries_total", "MLflow webhook deliveries by result.", ["result"], registry=r)
         self.served = Info("kiln_served_engine", "The registered version being served.", registry=r)
         self.ready = Gauge("kiln_ready", "1 while a warm engine serves requests.", registry=r)
+
+    def watch_registry(self, versions: Callable[[], dict[str, tuple[dict[str, str], float]]]) -> None:
+        """The registry's versions as `kiln_registry_*` (see RegistryCollector)."""
+        self.registry.register(RegistryCollector(versions))
 
     def watch_engine_process(self, pid: Callable[[], int | None]) -> None:
         """The served engine's own process (serving.engine_process): its memory and CPU as
@@ -101,3 +109,42 @@ class GpuCollector(Collector):
             if held:
                 engine.add_metric([gpu], sum(held))
         yield from (utilisation, used, total, engine)
+
+
+class RegistryCollector(Collector):
+    """The pipeline as the registry records it, for the dashboard's pipeline row: versions
+    by precision and gate result (a rebuild adds one) and when the last was registered.
+    Read at scrape time, at most once per `min_interval_s`; a registry that cannot be read
+    leaves the series out for that scrape (and says so in the log)."""
+
+    def __init__(self, versions: Callable[[], dict[str, tuple[dict[str, str], float]]], min_interval_s: float = 10.0) -> None:
+        self._versions = versions
+        self._min_interval_s = min_interval_s
+        self._last: tuple[float, dict[str, tuple[dict[str, str], float]]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        versions = self._read()
+        if versions is None:
+            return
+        counted = GaugeMetricFamily("kiln_registry_versions", "Registered engine versions of the served model.", labels=["precision", "gates_passed"])
+        groups: dict[tuple[str, str], int] = {}
+        for tags, _ in versions.values():
+            key = (tags.get(PRECISION, "unknown"), tags.get(GATES_PASSED, "false"))
+            groups[key] = groups.get(key, 0) + 1
+        for key, count in sorted(groups.items()):
+            counted.add_metric(list(key), count)
+        yield counted
+        if versions:
+            last = GaugeMetricFamily("kiln_registry_last_registered_timestamp_seconds", "When the newest version was registered.")
+            last.add_metric([], max(created for _, created in versions.values()))
+            yield last
+
+    def _read(self) -> dict[str, tuple[dict[str, str], float]] | None:
+        now = time.monotonic()
+        if self._last is None or now - self._last[0] >= self._min_interval_s:
+            try:
+                self._last = (now, self._versions())
+            except Exception as err:  # a scrape must answer whatever the registry does
+                logging.getLogger(__name__).warning("registry metrics left out: %s", err)
+                return None
+        return self._last[1]

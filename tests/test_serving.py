@@ -899,6 +899,29 @@ def test_metrics_count_what_clients_received(server):
     info = {k: v for k, v in after.items() if k.startswith("kiln_served_engine_info")}
     assert len(info) == 1 and '"precision": "fp32"' in next(iter(info))
     assert after["kiln_ready"] == 1 and after['kiln_engine_swaps_total{"result": "swapped"}'] == 1
+    # The registry as the pipeline row reads it: both engines of the store, passed (record()'s tags name no precision).
+    assert after['kiln_registry_versions{"gates_passed": "true", "precision": "unknown"}'] == 2
+    assert 0 < time.time() - after["kiln_registry_last_registered_timestamp_seconds"] < 3600
+
+
+def test_registry_metrics_follow_new_versions_and_survive_a_registry_that_cannot_be_read():
+    from serving.metrics import RegistryCollector
+
+    versions = {"1": ({"precision": "fp32", "gates.passed": "true"}, 100.0)}
+
+    def read():
+        if versions is None:
+            raise OSError("the tracking server is down")
+        return versions
+
+    collector = RegistryCollector(read, min_interval_s=0)
+    samples = lambda: {(f.name, tuple(sorted(s.labels.items()))): s.value for f in collector.collect() for s in f.samples}  # noqa: E731
+    assert samples() == {("kiln_registry_versions", (("gates_passed", "true"), ("precision", "fp32"))): 1, ("kiln_registry_last_registered_timestamp_seconds", ()): 100.0}
+    versions["2"] = ({"precision": "int8", "gates.passed": "false"}, 200.0)
+    assert samples()[("kiln_registry_versions", (("gates_passed", "false"), ("precision", "int8")))] == 1
+    assert samples()[("kiln_registry_last_registered_timestamp_seconds", ())] == 200.0
+    versions = None
+    assert samples() == {}  # left out for this scrape, not an error on /metrics
 
 
 def test_every_metric_the_dashboard_and_the_alerts_query_is_one_kiln_serve_exports(server):
