@@ -237,7 +237,9 @@ def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSet
 
 
 async def _drive(url: str, model: str, prompts: list[list[int]], setup: ServingBenchSetup) -> tuple[list[_Sample], float]:
-    connector = aiohttp.TCPConnector(limit=setup.clients)
+    # A connection per request, for every server alike: llama-server says keep-alive yet
+    # closes after each stream, and a reused socket it closed failed half its requests.
+    connector = aiohttp.TCPConnector(limit=setup.clients, force_close=True)
     async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
         await asyncio.gather(*(_one(client, model, prompts[i % len(prompts)], setup) for i in range(setup.clients)))  # warm-up
         samples: list[_Sample] = []

@@ -52,3 +52,57 @@ def test_the_serving_load_reads_the_usage_of_any_openai_server_s_stream(stream, 
     from benchmarks.serving_load import _completion_tokens
 
     assert _completion_tokens(stream) == tokens
+
+
+class ClosingAfterEachStream:
+    """An OpenAI-style server that, as llama-server does, says keep-alive and still closes
+    the connection after every streamed answer (a pooled client's next write then fails)."""
+
+    def __init__(self, new_tokens: int) -> None:
+        import http.server
+        import threading
+
+        tokens = new_tokens
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # /v1/models
+                body = json.dumps({"data": [{"id": "peer"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                chunks = [{"choices": [{"text": "x"}]}] * tokens + [{"choices": [], "usage": {"completion_tokens": tokens}}]
+                body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "keep-alive")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.close_connection = True
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_serving_bench_counts_a_server_that_closes_each_connection_fairly():
+    """Every client opens a connection per request, for kiln's rows and the others alike:
+    reusing a connection such a server closed failed half of llama-server's requests."""
+    from benchmarks.serving_load import ServingBenchSetup, url_rounds
+
+    peer = ClosingAfterEachStream(new_tokens=4)
+    try:
+        [row] = url_rounds([peer.url], vocab=100, setup=ServingBenchSetup(clients=4, seconds=1.0, prompt_tokens=4, new_tokens=4))
+    finally:
+        peer.server.shutdown()
+    assert row.failed == 0 and row.requests > 8
