@@ -678,7 +678,7 @@ def test_a_stream_alone_takes_several_steps_a_turn_and_a_batch_one_with_the_same
 
     turns: list[tuple[int, int]] = []
     decode_turn = own_engine.decode_turn
-    own_engine.decode_turn = lambda state, ids, draws, steps: turns.append((len(ids), steps)) or decode_turn(state, ids, draws, steps)
+    own_engine.decode_turn = lambda state, ids, draws, steps, room=0: turns.append((len(ids), steps)) or decode_turn(state, ids, draws, steps, room)
     scheduler, finished = Scheduler(own_engine, tokenizer, max_waiting=4), threading.Semaphore(0)
     sampling = Sampling(max_new_tokens=40, stop_at_eos=False)
 
