@@ -444,7 +444,7 @@ class BuildTarget(_Section):
 class PoolParams(_Section):
     """`kiln deploy --pool`: the deployments on a Prefect process work pool, and one worker
     (`kiln worker TARGET`) per build target, on machines that share the project folder and
-    an MLflow server (PostgreSQL store, shared artifacts): README, "Beyond one machine"."""
+    an MLflow server (PostgreSQL store, shared artifacts): docs/automation.md, "Beyond one machine"."""
 
     name: str = Field("kiln", pattern=r"^[A-Za-z0-9_\-]+$")
     targets: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9\-]*$")], BuildTarget] = Field(
