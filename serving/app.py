@@ -139,7 +139,8 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: a scrape reads the registry (an MLflow query) and NVML.
+        return PlainTextResponse(await asyncio.to_thread(generate_latest, metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
