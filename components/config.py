@@ -398,6 +398,18 @@ class ServingParams(_Section):
     chat_template: str | None = None
 
 
+PROMETHEUS_DURATION = r"^[0-9]+(ms|s|m|h|d)$"  # one unit: what a rule's `for` and a scrape interval take
+
+
+class MonitoringParams(_Section):
+    """What `kiln monitoring` writes and `kiln up --monitoring` runs: how long a latency
+    budget (gates.serving's) stays broken before its alert fires, and Prometheus's
+    scrape and rule-evaluation interval."""
+
+    latency_alert_after: str = Field("10m", pattern=PROMETHEUS_DURATION)  # e.g. 30s, 10m, 1h
+    scrape_interval: str = Field("5s", pattern=PROMETHEUS_DURATION)
+
+
 class TriggerParams(_Section):
     """`kiln deploy`: what starts a retrain-and-rebuild by itself, and how triggers that
     arrive while one runs are treated."""
@@ -475,6 +487,7 @@ class Params(_Section):
     serving: ServingParams = ServingParams()
     triggers: TriggerParams = TriggerParams()
     pool: PoolParams = PoolParams()
+    monitoring: MonitoringParams = MonitoringParams()
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> Params:

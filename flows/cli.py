@@ -372,12 +372,25 @@ def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], g
 
 
 @app.command()
-def monitoring(params_file: ParamsOption = Path("params.yaml")) -> None:
+def monitoring(
+    params_file: ParamsOption = Path("params.yaml"),
+    render_png: Annotated[Path | None, typer.Option("--render", help="instead: draw the dashboard's panels from a Prometheus's data into this PNG")] = None,
+    prometheus: Annotated[str, typer.Option(help="the Prometheus --render asks (kiln up --monitoring's by default)")] = "http://127.0.0.1:9090",
+    minutes: Annotated[float, typer.Option(min=1, help="how far back --render draws")] = 15.0,
+) -> None:
     """Write the Grafana dashboard (deploy/grafana/kiln-serve.json) and the Prometheus rules
-    (deploy/prometheus/rules.yml, budgets from the params) for kiln serve."""
-    from flows.monitoring import write
+    (deploy/prometheus/rules.yml, budgets from the params) for kiln serve; with --render,
+    draw the dashboard's panels from a running Prometheus instead."""
+    from flows.monitoring import dashboard, write
 
     with _one_line_errors():
+        if render_png is not None:
+            from flows.dashboard_render import render as draw
+
+            found = draw(dashboard(), prometheus.rstrip("/"), render_png, minutes)
+            empty = sorted(title for title, count in found.items() if count == 0)
+            render.console.print(f"wrote {render_png} ({len(found) - len(empty)} of {len(found)} panels with data{'; none: ' + ', '.join(empty) if empty else ''})")
+            return
         for path in write(_load(params_file), Path.cwd()):
             render.console.print(f"wrote {path}")
 

@@ -47,11 +47,12 @@ def _alerts(params: Params) -> list[dict]:
     p99_s = max(s.max_request_p99_ms for s in scenarios) / 1000
     ttft_s = max(s.max_ttft_p95_ms for s in scenarios) / 1000
     near_full = int(params.serving.max_waiting * 0.8)
+    hold = params.monitoring.latency_alert_after
     return [
-        _alert("KilnRequestLatencyOverBudget", f"kiln:request_duration_seconds:p99_5m > {p99_s:g}", "10m", "warning",
-               f"p99 of whole requests over {p99_s:g} s (the largest max_request_p99_ms of gates.serving) for 10 minutes"),
-        _alert("KilnTimeToFirstTokenOverBudget", f"kiln:time_to_first_token_seconds:p95_5m > {ttft_s:g}", "10m", "warning",
-               f"p95 time to first token over {ttft_s:g} s (the largest max_ttft_p95_ms of gates.serving) for 10 minutes"),
+        _alert("KilnRequestLatencyOverBudget", f"kiln:request_duration_seconds:p99_5m > {p99_s:g}", hold, "warning",
+               f"p99 of whole requests over {p99_s:g} s (the largest max_request_p99_ms of gates.serving) for {hold}"),
+        _alert("KilnTimeToFirstTokenOverBudget", f"kiln:time_to_first_token_seconds:p95_5m > {ttft_s:g}", hold, "warning",
+               f"p95 time to first token over {ttft_s:g} s (the largest max_ttft_p95_ms of gates.serving) for {hold}"),
         _alert("KilnErrorRatioHigh", "kiln:requests:error_ratio_5m > 0.05", "5m", "critical",
                "more than 5 % of requests end in a server error"),
         _alert("KilnNoReadyEngine", f"kiln_ready{{{JOB}}} == 0", "2m", "critical",
@@ -265,7 +266,7 @@ def write(params: Params, root: Path) -> list[Path]:
 # ---------------------------------------------------------------- `kiln up --monitoring`
 
 
-def prometheus_command(root: Path, params: Params, port: int, serve_port: int, scrape_interval_s: float = 5.0) -> list[str]:
+def prometheus_command(root: Path, params: Params, port: int, serve_port: int) -> list[str]:
     """Debian's Prometheus scraping the project's `kiln serve` (on `serve_port`) with the
     rules for these params, its config and data under .kiln/monitoring."""
     binary = shutil.which("prometheus")
@@ -276,12 +277,11 @@ def prometheus_command(root: Path, params: Params, port: int, serve_port: int, s
     rules_path = folder / "rules.yml"
     rules_path.write_text(rendered(params)[RULES_FILE])
     config = folder / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prometheus_config(rules_path, [f"{_local(params.serving.host)}:{serve_port}"], scrape_interval_s), sort_keys=False))
+    config.write_text(yaml.safe_dump(prometheus_config(rules_path, [f"{_local(params.serving.host)}:{serve_port}"], params.monitoring.scrape_interval), sort_keys=False))
     return [binary, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]
 
 
-def prometheus_config(rules_path: Path, serve_targets: list[str], scrape_interval_s: float) -> dict:
-    interval = f"{scrape_interval_s:g}s"
+def prometheus_config(rules_path: Path, serve_targets: list[str], interval: str) -> dict:
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(rules_path)],

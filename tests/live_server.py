@@ -90,6 +90,26 @@ def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
         process.wait(30)
 
 
+@contextmanager
+def prometheus(root: Path, params, serve_port: int) -> Iterator[str]:
+    """Debian's Prometheus as `kiln up --monitoring` runs it (kiln's config and rules for
+    `params`), scraping a kiln serve on `serve_port`; yields its URL once it is ready."""
+    from flows.monitoring import prometheus_command
+
+    port = free_port()
+    log_path = root / f"prometheus-{port}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(prometheus_command(root, params, port, serve_port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: answers(f"{url}/-/ready") or process.poll() is not None, 60, "Prometheus answering /-/ready", log_path)
+        assert process.poll() is None, f"prometheus exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 KILN = str(Path(sys.executable).parent / "kiln")
 READY = "Ctrl-C stops them all"  # kiln up's last line once every server answers
 

@@ -5,24 +5,39 @@ That every metric they query is one kiln serve exports is checked against a live
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+from PIL import Image
 
 from components.config import load_params
 from flows import monitoring
+from flows.dashboard_render import render
+from registry import CHAMPION, RegistryTarget, promote, register_engine
+from serving.app import ServerSettings, create_app
+from serving.sources import AliasSource
+
+from .conftest import new_mlflow_store
+from .live_server import LiveServer, prometheus, wait_for
+from .test_registry import record
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`; .ci/run installs it)")
+needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (Debian package `prometheus`; .ci/run installs it)")
 
 
 @pytest.fixture(scope="module")
-def params():
+def shipped():
     return load_params(ROOT / "params.yaml")
 
 
@@ -43,12 +58,12 @@ def as_promql(expr: str) -> str:
     return expr.replace("$__rate_interval", "5m").replace("$version", ".*")
 
 
-def test_the_checked_in_dashboard_and_rules_are_what_kiln_monitoring_makes(params):
-    for relative, text in monitoring.rendered(params).items():
+def test_the_checked_in_dashboard_and_rules_are_what_kiln_monitoring_makes(shipped):
+    for relative, text in monitoring.rendered(shipped).items():
         assert (ROOT / relative).read_text() == text, f"{relative} is stale: run `kiln monitoring`"
 
 
-def test_the_dashboard_has_the_panels_and_variables_a_person_on_call_needs(params):
+def test_the_dashboard_has_the_panels_and_variables_a_person_on_call_needs(shipped):
     board = monitoring.dashboard()
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
@@ -62,9 +77,9 @@ def test_the_dashboard_has_the_panels_and_variables_a_person_on_call_needs(param
 
 
 @needs_promtool
-def test_every_expression_of_the_rules_and_the_dashboard_parses(params, tmp_path):
+def test_every_expression_of_the_rules_and_the_dashboard_parses(shipped, tmp_path):
     rules = tmp_path / "rules.yml"
-    rules.write_text(monitoring.rendered(params)[monitoring.RULES_FILE])
+    rules.write_text(monitoring.rendered(shipped)[monitoring.RULES_FILE])
     assert promtool("check", "rules", str(rules)).returncode == 0
     as_rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:expr_{i}", "expr": as_promql(e)} for i, e in enumerate(dashboard_expressions(monitoring.dashboard()))]}]}
     (tmp_path / "dashboard.yml").write_text(yaml.safe_dump(as_rules))
@@ -118,35 +133,96 @@ ALERT_CASES = {
 }  # fmt: skip
 
 
-def test_every_alert_has_a_unit_test(params):
-    assert {rule["alert"] for group in monitoring.rules(params)["groups"] for rule in group["rules"] if "alert" in rule} == set(ALERT_CASES)
+def test_every_alert_has_a_unit_test(shipped):
+    assert {rule["alert"] for group in monitoring.rules(shipped)["groups"] for rule in group["rules"] if "alert" in rule} == set(ALERT_CASES)
 
 
 @needs_promtool
-def test_each_alert_fires_on_the_series_that_breaks_it_and_stays_silent_on_the_one_that_does_not(params, tmp_path):
-    alerts = {rule["alert"]: rule for group in monitoring.rules(params)["groups"] for rule in group["rules"] if "alert" in rule}
+def test_each_alert_fires_on_the_series_that_breaks_it_and_stays_silent_on_the_one_that_does_not(shipped, tmp_path):
+    alerts = {rule["alert"]: rule for group in monitoring.rules(shipped)["groups"] for rule in group["rules"] if "alert" in rule}
     tests = []
     for name, (series, at, labels) in ALERT_CASES.items():
         fired = {"exp_labels": labels | alerts[name]["labels"], "exp_annotations": alerts[name]["annotations"]}
         healthy = [s for s in series if 'instance="good"' in s["series"]]
         tests.append({"interval": "1m", "input_series": series, "alert_rule_test": [{"eval_time": at, "alertname": name, "exp_alerts": [fired]}]})
         tests.append({"interval": "1m", "input_series": healthy, "alert_rule_test": [{"eval_time": at, "alertname": name, "exp_alerts": []}]})
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump(monitoring.rules(params)))
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(monitoring.rules(shipped)))
     (tmp_path / "tests.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}))
     result = promtool("test", "rules", str(tmp_path / "tests.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @needs_promtool
-def test_a_budget_from_params_moves_the_alert(params, tmp_path):
+def test_a_budget_from_params_moves_the_alert(shipped, tmp_path):
     """The latency alert's threshold is the params' budget: a slow instance that breaks the
     default 2 s budget passes a 10 s one."""
-    scenarios = [s.model_copy(update={"max_request_p99_ms": 10_000}) for s in params.gates.serving.scenarios]
-    gates = params.gates.model_copy(update={"serving": params.gates.serving.model_copy(update={"scenarios": scenarios})})
-    relaxed = params.model_copy(update={"gates": gates})
+    scenarios = [s.model_copy(update={"max_request_p99_ms": 10_000}) for s in shipped.gates.serving.scenarios]
+    gates = shipped.gates.model_copy(update={"serving": shipped.gates.serving.model_copy(update={"scenarios": scenarios})})
+    relaxed = shipped.model_copy(update={"gates": gates})
     series, at, _ = ALERT_CASES["KilnRequestLatencyOverBudget"]
     (tmp_path / "rules.yml").write_text(yaml.safe_dump(monitoring.rules(relaxed)))
     test = {"interval": "1m", "input_series": series, "alert_rule_test": [{"eval_time": at, "alertname": "KilnRequestLatencyOverBudget", "exp_alerts": []}]}
     (tmp_path / "tests.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [test]}))
     result = promtool("test", "rules", str(tmp_path / "tests.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- a real Prometheus watching a real kiln serve
+
+
+def watched(shipped, budget_ms: int):
+    """The shipped params with one request budget, an alert that fires as soon as the budget
+    is broken (the shipped rule waits 10 minutes) and a 1 s scrape, so a test sees it."""
+    scenarios = [s.model_copy(update={"max_request_p99_ms": budget_ms}) for s in shipped.gates.serving.scenarios]
+    gates = shipped.gates.model_copy(update={"serving": shipped.gates.serving.model_copy(update={"scenarios": scenarios})})
+    now = shipped.monitoring.model_copy(update={"latency_alert_after": "0s", "scrape_interval": "1s"})
+    return shipped.model_copy(update={"gates": gates, "monitoring": now})
+
+
+def alerts_named(url: str, name: str) -> list[dict]:
+    return [a for a in httpx.get(f"{url}/api/v1/alerts").json()["data"]["alerts"] if a["labels"]["alertname"] == name]
+
+
+@needs_prometheus
+def test_a_real_prometheus_fires_the_latency_alert_once_the_engine_slows_past_the_budget(shipped, engine_dir, tmp_path):
+    """kiln serve under requests within a 500 ms budget: the recorded p99 stays under it and
+    the alert is silent. Then the engine process is stopped for 1.5 s under three requests
+    (SIGSTOP, as a stalled GPU or a swapping host would): the alert fires for that server."""
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-watched", "kiln-watched", tmp_path / "artifacts")
+    promote(target, CHAMPION, version=register_engine(target, engine_dir.path, engine_dir.sha256, record()).version)
+    app = create_app(AliasSource(target, CHAMPION, tmp_path / "cache"), ServerSettings(poll_interval_s=0, max_tokens=8))
+    body = {"model": "kiln-watched", "prompt": "The list", "max_tokens": 4}
+    with LiveServer(app) as live, prometheus(tmp_path, watched(shipped, budget_ms=500), live.port) as url, live.client() as client:
+        instance = f"127.0.0.1:{live.port}"
+        p99 = f'kiln:request_duration_seconds:p99_5m{{instance="{instance}"}}'
+
+        def recorded_p99() -> float | None:
+            result = httpx.get(f"{url}/api/v1/query", params={"query": p99}).json()["data"]["result"]
+            return float(result[0]["value"][1]) if result and result[0]["value"][1] != "NaN" else None
+
+        wait_for(lambda: httpx.get(f"{url}/api/v1/query", params={"query": f'up{{instance="{instance}"}} == 1'}).json()["data"]["result"], 30, "the first scrape")
+        for _ in range(10):  # counted between scrapes: rates see them
+            assert client.post("/v1/completions", json=body).status_code == 200
+        healthy = wait_for(recorded_p99, 30, "the recorded p99 of the healthy requests", every_s=0.5)
+        assert healthy <= 0.5 and alerts_named(url, "KilnRequestLatencyOverBudget") == []
+
+        engine = live.app.state.follower.current.scheduler.pid
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            slow = [threading.Thread(target=client.post, args=("/v1/completions",), kwargs={"json": body}) for _ in range(3)]
+            for request in slow:
+                request.start()
+            time.sleep(1.5)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        for request in slow:
+            request.join(30)
+        (fired,) = wait_for(lambda: [a for a in alerts_named(url, "KilnRequestLatencyOverBudget") if a["state"] == "firing"], 60, "the latency alert firing")
+        assert fired["labels"]["instance"] == instance and fired["labels"]["severity"] == "warning"
+        assert float(fired["value"]) > 0.5 and "over 0.5 s" in fired["annotations"]["summary"]
+
+        # What a person without Grafana sees: the dashboard's panels drawn from this Prometheus.
+        drawn = render(monitoring.dashboard(), url, tmp_path / "dashboard.png", minutes=2)
+    empty = {title for title, series in drawn.items() if not series}
+    assert empty == {"GPU utilisation", "GPU memory"}, f"panels without data on a CPU machine: {empty}"
+    assert Image.open(tmp_path / "dashboard.png").size[0] > 1000
