@@ -27,15 +27,15 @@ class Series:
     values: list[float]
 
 
-def render(board: dict, prometheus_url: str, out: Path, minutes: float = 15.0, rate_interval: str = "1m") -> dict[str, int]:
-    """Draw every panel of `board` over the last `minutes` into the PNG `out`; returns how
-    many series each panel got (0: Grafana's "No data")."""
+def render(board: dict, prometheus_url: str, out: Path, minutes: float = 15.0, rate_interval: str = "1m", end: float | None = None) -> dict[str, int]:
+    """Draw every panel of `board` over the `minutes` before `end` (Unix seconds; default
+    now) into the PNG `out`; returns how many series each panel got (0: "No data")."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    end = datetime.now(UTC).timestamp()
+    end = end or datetime.now(UTC).timestamp()
     start = end - minutes * 60
     panels = board["panels"]
     height_in = (max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels) + 2) * UNIT_IN
@@ -100,9 +100,10 @@ def _draw_panel(axes, panel: dict, series: list[Series]) -> None:
         axes.set_yticks([])
         axes.text(0.5, 0.5, "No data", ha="center", va="center", color="grey", transform=axes.transAxes)
         return
-    if panel["type"] == "stat":  # the last value's legend, as the served-version panel shows it
+    if panel["type"] == "stat":  # the legends of the series present at the end, as the served-version panel shows them
+        latest = max(s.times[-1] for s in series)
         axes.axis("off")
-        axes.text(0.5, 0.5, "\n".join(s.legend for s in series), ha="center", va="center", fontsize=12, transform=axes.transAxes)
+        axes.text(0.5, 0.5, "\n".join(s.legend for s in series if s.times[-1] == latest), ha="center", va="center", fontsize=12, transform=axes.transAxes)
         return
     unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
     scale, label = _UNITS.get(unit, (1.0, unit or ""))
