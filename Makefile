@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: run test mutants clean
 
 run: $(STAMP)
+	$(VENV)/bin/kiln keys init --if-missing
 	$(VENV)/bin/kiln run
 
 # Two workers, a test file each at a time (module fixtures such as `kiln up` stay shared

@@ -363,6 +363,16 @@ class RegistryParams(_Section):
     tracking_uri: str | None = None
     model_name: str = Field("kiln-gpt2", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
     experiment: str = "kiln"
+    # The private key engines are signed with, outside the project and the registry; None:
+    # $KILN_SIGNING_KEY, else ~/.config/kiln/signing-key.pem (`kiln keys init` makes it).
+    signing_key: str | None = None
+    # Public keys (PEM files, relative to the project) whose signatures are accepted; more
+    # than one while keys rotate. With trust_own_key, also the signing key's own public half.
+    trusted_keys: list[str] = []
+    trust_own_key: bool = True
+    # False only to migrate: unsigned versions then load with a warning; signed ones are
+    # still verified.
+    require_signature: bool = True
 
 
 class SampleParams(_Section):

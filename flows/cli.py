@@ -105,7 +105,7 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
         model_dir = _model_to_build(model_dir, params)
     elif params.model.pretrained and Path(params.model.pretrained).is_dir():
         _check_model(Path(params.model.pretrained).resolve(), params)  # before the data stage and training
-    preflight(registry_target(params.registry, root))  # before Prefect's server starts (seconds)
+    preflight(registry_target(params.registry, root), registering=True)  # before Prefect's server starts (seconds)
     if fresh:
         import shutil
 
@@ -490,6 +490,57 @@ def data_add(
             render.note(f"{err}; `kiln deploy` notices the new data.dvc when it runs")
             return
         render.console.print(f"announced kiln.data.changed (event {event})")
+
+
+keys_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The keys engines are signed with and verified against.")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("init")
+def keys_init(
+    params_file: ParamsOption = Path("params.yaml"),
+    if_missing: Annotated[bool, typer.Option(help="do nothing where the key exists (make run)")] = False,
+) -> None:
+    """Make this machine's P-256 signing key (KILN_SIGNING_KEY, registry.signing_key, or
+    ~/.config/kiln/signing-key.pem; mode 0600) and its public half beside it (.pub)."""
+    from registry.signing import create_key, fingerprint
+    from registry.target import signing_key_path
+
+    with _one_line_errors():
+        key = signing_key_path(_load(params_file).registry)
+        if if_missing and key.exists():
+            return
+        public = create_key(key)
+        render.console.print(f"signing key {key} (fingerprint {fingerprint(public.read_bytes())[:16]}…); public key {public}")
+        render.console.print("machines that only verify (a server, a colleague): copy the .pub into the project and list it in registry.trusted_keys")
+
+
+@keys_app.command("show")
+def keys_show(params_file: ParamsOption = Path("params.yaml")) -> None:
+    """This machine's signing key and the public keys the project trusts, by fingerprint."""
+    from registry.signing import trusted_fingerprints
+
+    with _one_line_errors():
+        signing = _registry(params_file).signing
+        render.console.print(f"signing key: {signing.key}" + ("" if signing.key.is_file() else " (missing: `kiln keys init` makes it)"))
+        for found, path in trusted_fingerprints(signing).items():
+            render.console.print(f"trusted: {found[:16]}…  {path}")
+        render.console.print(f"signatures required: {str(signing.required).lower()}")
+
+
+@keys_app.command("sign-existing")
+def keys_sign_existing(params_file: ParamsOption = Path("params.yaml")) -> None:
+    """Sign the versions registered before signing whose every file is byte-identical to an
+    engine this project built (.kiln/stages/engines); the others are left for a rebuild."""
+    from components.workspace import Workspace
+    from flows.keys import sign_existing
+
+    with _one_line_errors():
+        outcomes = sign_existing(_registry(params_file), Workspace(Path.cwd()).stage_dir("engines"))
+        for outcome in outcomes:
+            render.console.print(f"version {outcome.version}: {outcome.result} — {outcome.detail}", highlight=False)
+        if not outcomes:
+            render.console.print("no versions registered")
 
 
 def main() -> None:

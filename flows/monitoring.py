@@ -64,6 +64,8 @@ def _alerts(params: Params) -> list[dict]:
         _alert("KilnWaitingLineNearFull", f"max_over_time(kiln_queue_depth{{{JOB}}}[5m]) >= {near_full}", "5m", "warning",
                f"{near_full} or more requests wait (serving.max_waiting is {params.serving.max_waiting}; beyond it, 503)"),
         _alert("KilnScrapeTargetDown", f"up{{{JOB}}} == 0", "2m", "critical", "Prometheus cannot scrape a kiln serve process"),
+        _alert("KilnServingUnsignedEngine", f'kiln_served_engine_info{{{JOB},signing_key="unsigned"}} == 1', "0m", "warning",
+               "kiln serve serves a version nobody signed (registry.require_signature is false): `kiln keys sign-existing`, or rebuild it"),
     ]  # fmt: skip
 
 

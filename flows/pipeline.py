@@ -159,7 +159,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     several: flows.deployments)."""
     workspace = Workspace(root)
     target = registry_target(params.registry, root)
-    preflight(target)
+    preflight(target, registering=True)
     data = version_data(params.data, root)
     record_run_data(root, data.md5)  # what `kiln deploy` compares data.dvc with
     if model_dir is not None:

@@ -4,10 +4,11 @@ engine directory."""
 
 from registry.lineage import VersionLineage, version_lineage
 from registry.promotion import AliasMove, alias_history, promote, rollback
-from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, VersionInfo
+from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, Signing, VersionInfo
 from registry.store import (
     CHALLENGER,
     CHAMPION,
+    add_signature,
     alias_version,
     aliases_of,
     download_version,
@@ -34,8 +35,10 @@ __all__ = [
     "RegistryTarget",
     "RunLink",
     "RunRecord",
+    "Signing",
     "VersionInfo",
     "VersionLineage",
+    "add_signature",
     "alias_history",
     "alias_version",
     "aliases_of",

@@ -62,7 +62,7 @@ def promote(
         raise RegistryError("forcing a promotion needs a reason (--reason TEXT): it is recorded on the version with who and when")
     info = _version_to_move(target, from_alias) if version is None else get_version(target, version)
     forced = _check_or_force(info, force)
-    verify_download(info, lambda destination: download_version(target, info.version, destination))
+    verify_download(info, lambda destination: download_version(target, info.version, destination), target.signing)
     client = _client(target)
     with store_lock(target):
         previous = _version_of(alias_version(target, to_alias))

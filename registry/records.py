@@ -8,6 +8,16 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
+class Signing:
+    """Who signs what a project registers, and whose signatures its consumers accept
+    (registry.signing does both)."""
+
+    key: Path | None = None  # the private key (PEM) registrations are signed with
+    trusted: tuple[Path, ...] = ()  # public keys (PEM) whose signatures are accepted
+    required: bool = True  # False: unsigned versions load, with a warning (migration)
+
+
+@dataclass(frozen=True)
 class RegistryTarget:
     tracking_uri: str
     model_name: str
@@ -15,6 +25,7 @@ class RegistryTarget:
     # Where a new experiment keeps artifacts (the embedded store's local folder); None lets
     # the tracking server decide.
     artifact_root: Path | None = None
+    signing: Signing = Signing()
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ it again, so no half-registered version is left behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,15 +21,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from components.engine_dir import MANIFEST, EngineManifest
-from components.errors import RegistryError
+from components.errors import KilnError, RegistryError
 from components.files import exclusive_lock, process_alive
-from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, VersionInfo
-from registry.tags import ENGINE_SHA256, GATES_PASSED, PROFILES_SHA256, RUN_HOST, RUN_KIND, RUN_MODEL_SHA256, RUN_PID
+from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, Signing, VersionInfo
+from registry.signing import SIGNATURE_FILE, check_signer, sign
+from registry.tags import ENGINE_SHA256, GATES_PASSED, PROFILES_SHA256, RUN_HOST, RUN_KIND, RUN_MODEL_SHA256, RUN_PID, SIGNING_KEY
 from registry.target import is_embedded
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
 ENGINE_ARTIFACT = "engine"
+log = logging.getLogger("kiln.registry")
 
 
 def _client(target: RegistryTarget):
@@ -44,11 +48,13 @@ def _client(target: RegistryTarget):
         return MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
 
 
-def preflight(target: RegistryTarget, timeout_s: float = 5.0) -> None:
-    """Fail fast, before any training, when the tracking store cannot be reached.
-
-    MLflow's own client retries an unreachable server for minutes before it gives up.
+def preflight(target: RegistryTarget, timeout_s: float = 5.0, registering: bool = False) -> None:
+    """Fail fast, before any training, when the tracking store cannot be reached (MLflow's
+    own client retries an unreachable server for minutes before it gives up), and, for a
+    run that will register, when it has no usable signing key.
     """
+    if registering:
+        check_signer(target.signing)
     uri = target.tracking_uri
     if uri.startswith(("http://", "https://")):
         try:
@@ -134,19 +140,24 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
 
     identity = engine_identity(engine_dir, engine_sha256)
     client = _client(target)
-    with store_lock(target):
+    with store_lock(target), tempfile.TemporaryDirectory(prefix="kiln-signature-") as scratch:
         _end_abandoned_runs(client, target)
         existing = find_version(target, identity)
         if existing is not None:
             return Registration(target.model_name, existing.version, existing.run_id, False, existing.aliases, _passed(existing.tags))
+        signature = Path(scratch) / SIGNATURE_FILE
+        signed_by = _sign(target.signing, engine_dir, signature)  # before anything is written: a key problem loses nothing
         run_id = None
         try:
             run_id = _create_run(client, target, engine_sha256)
             _log_run(client, run_id, engine_dir, record)
+            if signed_by is not None:
+                client.log_artifact(run_id, str(signature), ENGINE_ARTIFACT)
             _ensure_registered_model(client, target.model_name)
             source = f"{client.get_run(run_id).info.artifact_uri}/{ENGINE_ARTIFACT}"
+            signer = {SIGNING_KEY: signed_by} if signed_by else {}
             version = client.create_model_version(
-                target.model_name, source=source, run_id=run_id, tags=record.version_tags | identity, description=_with_run_link(client, record.description, run_id)
+                target.model_name, source=source, run_id=run_id, tags=record.version_tags | identity | signer, description=_with_run_link(client, record.description, run_id)
             ).version
             client.set_terminated(run_id, "FINISHED")
         except (MlflowException, OSError) as err:
@@ -157,6 +168,18 @@ def register_engine(target: RegistryTarget, engine_dir: Path, engine_sha256: str
             _roll_back(client, target.model_name, run_id, "KILLED")
             raise
     return _keep_oldest_twin(client, target, identity, str(version), run_id, _passed(record.version_tags))
+
+
+def _sign(signing: Signing, engine_dir: Path, signature: Path) -> str | None:
+    """Sign the engine directory into `signature`: the key's fingerprint. Unsigned (None, with
+    a warning) only where signatures are not required and this machine has no key."""
+    if not check_signer(signing):
+        log.warning("registering %s unsigned: registry.require_signature is false and there is no signing key at %s", engine_dir.name, signing.key)
+        return None
+    try:
+        return sign(engine_dir, signing.key, signature)
+    except KilnError as err:
+        raise RegistryError(f"cannot sign {engine_dir.name}, nothing registered: {err}") from err
 
 
 def _passed(tags: dict[str, str]) -> bool:
@@ -411,3 +434,18 @@ def tag_version(target: RegistryTarget, version: str, tags: dict[str, str]) -> V
         return _version_info(client, target.model_name, version)
     except MlflowException as err:
         raise RegistryError(f"cannot tag {target.model_name} version {version}: {err.message}") from err
+
+
+def add_signature(target: RegistryTarget, version: str, signature: Path, signed_by: str) -> VersionInfo:
+    """Put a signature beside a registered version's engine (into its run's `engine/`
+    artifacts, which are the version's source) and record its key: `kiln keys sign-existing`."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    try:
+        run_id = client.get_model_version(target.model_name, version).run_id
+        client.log_artifact(run_id, str(signature), ENGINE_ARTIFACT)
+        client.set_model_version_tag(target.model_name, version, SIGNING_KEY, signed_by)
+        return _version_info(client, target.model_name, version)
+    except (MlflowException, OSError) as err:
+        raise RegistryError(f"cannot sign {target.model_name} version {version}: {err}") from err

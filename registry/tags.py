@@ -17,6 +17,7 @@ from __future__ import annotations
 ENGINE_SHA256 = "engine_sha256"  # the engine file; what a download is verified against
 PROFILES_SHA256 = "profiles_sha256"  # the shapes it accepts: with ENGINE_SHA256, one engine is one version
 CHAT_TEMPLATE_SHA256 = "chat_template_sha256"  # the template the server renders chats with; "none": it has none
+SIGNING_KEY = "signing_key"  # the fingerprint of the key that signed the engine directory (its model.sig)
 
 # ---------------------------------------------------------------- version tags: what it is and where it came from
 

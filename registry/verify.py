@@ -1,9 +1,10 @@
-"""Is a downloaded version what the registry says it is?
+"""Is a downloaded version what kiln's builder signed, and what the registry says it is?
 
-MLflow stores no checksum, so the version's own `engine_sha256` tag is the truth an engine
-file is checked against, not only the `engine.json` that travels with it: an artifact
-edited together with its manifest is still refused. Every consumer of a registered
-version (promote, the sample step, the serving loader) goes through here.
+First the signature (registry.signing): every file of the engine directory, signed by a
+trusted key, so an engine rewritten in the store together with its tags is refused. Then
+the version's own `engine_sha256` tag, not only the `engine.json` that travels with it.
+Every consumer of a registered version (promote, the sample step, verify-promotion, the
+serving loader) goes through here; nothing forces it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import EngineError, RegistryError, VersionRefused
 from registry import tags
-from registry.records import VersionInfo
+from registry.records import Signing, VersionInfo
+from registry.signing import SignatureRefused, verify
 
 
 def check_gates(info: VersionInfo) -> None:
@@ -25,9 +27,11 @@ def check_gates(info: VersionInfo) -> None:
         raise VersionRefused(f"{_name(info)} is refused: it did not pass its gates ({tags.GATES_PASSED} tag {info.tags.get(tags.GATES_PASSED)!r})")
 
 
-def verified_engine_dir(info: VersionInfo, local: Path) -> EngineDir:
-    """The downloaded engine directory, checked against itself (engine.json readable, files
-    present, engine file sha256 as engine.json says) and against the version's tag."""
+def verified_engine_dir(info: VersionInfo, local: Path, signing: Signing) -> tuple[EngineDir, str | None]:
+    """The downloaded engine directory and the fingerprint of the trusted key that signed it:
+    its signature verified first, then the directory checked against itself (engine.json
+    readable, files present, engine file sha256 as engine.json says) and the version's tags."""
+    signer = verified_signer(info, local, signing)
     expected = info.tags.get(tags.ENGINE_SHA256)
     if not expected:
         raise VersionRefused(f"{_name(info)} is refused: it has no {tags.ENGINE_SHA256} tag")
@@ -44,10 +48,24 @@ def verified_engine_dir(info: VersionInfo, local: Path) -> EngineDir:
     recorded = info.tags.get(tags.CHAT_TEMPLATE_SHA256)
     if recorded is not None and recorded != template:  # versions registered before templates were recorded have no tag
         raise VersionRefused(f"{_name(info)} is refused: its chat template has sha256 {template[:12]}…, the version's {tags.CHAT_TEMPLATE_SHA256} tag says {recorded[:12]}…")
-    return engine_dir
+    return engine_dir, signer
 
 
-def verify_download(info: VersionInfo, download: Callable[[Path], Path]) -> None:
+def verified_signer(info: VersionInfo, local: Path, signing: Signing) -> str | None:
+    """The fingerprint of the trusted key that signed the downloaded directory (None: an
+    unsigned version where signatures are not required); the version's `signing_key` tag,
+    where it has one, must name that key."""
+    try:
+        signer = verify(local, signing)
+    except SignatureRefused as err:
+        raise VersionRefused(f"{_name(info)} is refused: {err}") from err
+    recorded = info.tags.get(tags.SIGNING_KEY)
+    if signer is not None and recorded is not None and recorded != signer:
+        raise VersionRefused(f"{_name(info)} is refused: its {tags.SIGNING_KEY} tag says {recorded[:16]}…, its signature is by {signer[:16]}…")
+    return signer
+
+
+def verify_download(info: VersionInfo, download: Callable[[Path], Path], signing: Signing) -> None:
     """Download the version into a scratch folder with `download(destination) -> engine dir`
     and verify it there; a version whose artifacts are gone is refused, naming that."""
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as scratch:
@@ -55,7 +73,7 @@ def verify_download(info: VersionInfo, download: Callable[[Path], Path]) -> None
             local = download(Path(scratch) / "download")
         except RegistryError as err:
             raise VersionRefused(f"{_name(info)} is refused: its artifacts cannot be downloaded ({err})") from err
-        verified_engine_dir(info, local)
+        verified_engine_dir(info, local, signing)
 
 
 def _name(info: VersionInfo) -> str:

@@ -29,6 +29,9 @@ from serving.sources import EngineSource
 log = logging.getLogger("kiln.serving")
 
 
+UNSIGNED = "unsigned"  # kiln_served_engine_info's signing_key for a version served without a signature
+
+
 class NothingToServe(KilnError):
     """The alias names no version, or only one the loader refuses."""
 
@@ -60,6 +63,7 @@ class ServedEngine:
             tags.PRECISION: manifest.precision,
             tags.BACKEND: manifest.backend,
             tags.ENGINE_SHA256: self.pulled.engine_dir.sha256,
+            tags.SIGNING_KEY: self.pulled.signed_by or UNSIGNED,
         }
 
 
@@ -130,6 +134,8 @@ class AliasFollower:
         self._on_event("swapped", new, new.load_seconds)
         was = f", swapped in for version {old.version}" if old is not None else ""
         log.info("serving %s version %s (%s %s), loaded in %.2f s%s", new.model, new.version, new.facts[tags.BACKEND], new.facts[tags.PRECISION], new.load_seconds, was)
+        if new.pulled.signed_by is None and self.source.alias is not None:  # from the registry (not a local directory), unsigned
+            log.warning("version %s is UNSIGNED: served only because registry.require_signature is false (`kiln keys sign-existing` signs it)", new.version)
         if old is not None:
             threading.Thread(target=self._retire, args=(old,), name="kiln-retire", daemon=True).start()
         return "swapped"

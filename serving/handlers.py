@@ -440,7 +440,7 @@ def model_list(served: ServedEngine, alias: str | None) -> ModelList:
     facts = served.facts
     card = ModelCard(
         id=served.model, created=served.created, version=served.version, alias=alias,
-        precision=facts[tags.PRECISION], backend=facts[tags.BACKEND], engine_sha256=facts[tags.ENGINE_SHA256],
+        precision=facts[tags.PRECISION], backend=facts[tags.BACKEND], engine_sha256=facts[tags.ENGINE_SHA256], signing_key=facts[tags.SIGNING_KEY],
     )  # fmt: skip
     return ModelList(data=[card])
 

@@ -28,6 +28,7 @@ class PulledVersion:
 
     info: VersionInfo
     engine_dir: EngineDir
+    signed_by: str | None  # the trusted key's fingerprint; None: unsigned, allowed by registry.require_signature false
 
     @property
     def label(self) -> str:
@@ -55,7 +56,7 @@ def pull(info: VersionInfo, target: RegistryTarget, cache_root: Path) -> PulledV
                     _download_into(target, info.version, local)
                 except RegistryError as err:
                     raise VersionRefused(f"{info.name} version {info.version} is refused: its artifacts cannot be downloaded ({err})") from err
-    pulled = PulledVersion(info, verified_engine_dir(info, local))
+    pulled = PulledVersion(info, *verified_engine_dir(info, local, target.signing))
     os.utime(local)  # recency for `prune`
     return pulled
 

@@ -200,6 +200,7 @@ class ModelCard(BaseModel):
     precision: str
     backend: str
     engine_sha256: str
+    signing_key: str  # the fingerprint of the trusted key that signed it; "unsigned" where that is allowed
 
 
 class ModelList(BaseModel):

@@ -82,9 +82,9 @@ class LocalSource:
 
     def pull(self, info: VersionInfo) -> PulledVersion:
         if self._verified is not None and _local_version(self._verified.sha256) == info.version:
-            return PulledVersion(info, self._verified)
+            return PulledVersion(info, self._verified, None)  # a local directory: nothing from the registry to verify
         try:
-            return PulledVersion(info, load_engine_dir(self.path))
+            return PulledVersion(info, load_engine_dir(self.path), None)
         except EngineError as err:
             raise VersionRefused(f"{self.path} is refused: {err}") from err
 

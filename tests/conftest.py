@@ -28,6 +28,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 (_SESSION_HOME / "prefect").mkdir(parents=True, exist_ok=True)
 
+from registry.records import Signing  # noqa: E402
+from registry.signing import KEY_ENV, create_key  # noqa: E402
+
+# The session's signing key, as `kiln keys init` makes one: `kiln` subprocesses sign and
+# trust it through KILN_SIGNING_KEY; registry targets built by tests carry it as SIGNING.
+_SIGNING_KEY = _SESSION_HOME / "keys" / "signing-key.pem"
+SIGNING = Signing(_SIGNING_KEY, (create_key(_SIGNING_KEY),), required=True)
+os.environ[KEY_ENV] = str(_SIGNING_KEY)
+
 import pytest  # noqa: E402
 
 from components.config import (  # noqa: E402
@@ -295,7 +304,7 @@ def registry_target(tmp_path):
     """A fresh MLflow store on temporary SQLite with local artifacts."""
     from registry import RegistryTarget
 
-    return RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-test", "kiln-test", tmp_path / "artifacts")
+    return RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-test", "kiln-test", tmp_path / "artifacts", SIGNING)
 
 
 def engine_with_more_rows(engine_dir, destination: Path, extra_rows: int) -> Path:

@@ -382,6 +382,8 @@ def test_the_seam_rules_see_a_planted_violation():
 # Keys read under a name the code builds: flows/serving_gate.py checks each budget of a
 # scenario as getattr(scenario, f"max_{budget}").
 READ_BY_BUILT_NAME = {("ServingScenario", "max_ttft_p95_ms"), ("ServingScenario", "max_tpot_p95_ms"), ("ServingScenario", "max_request_p99_ms")}
+# Sections a package reads through a Protocol of its own (the registry depends on no config module).
+READ_THROUGH_PROTOCOL = {"RegistrySettings": "RegistryParams"}
 
 
 def params_fields(model: type, parent: str = "params", prefix: str = "") -> Iterator[tuple[str, type, str, str]]:
@@ -431,6 +433,7 @@ def attribute_reads(tree: ast.AST) -> set[tuple[str, str]]:
 def unread_params_keys(params_model: type) -> set[str]:
     """Keys of params.yaml that no code of kiln reads (a knob that does nothing)."""
     reads = set().union(*(attribute_reads(ast.parse(path.read_text())) for package in PRODUCT for path in (REPO / package).rglob("*.py")))
+    reads |= {(READ_THROUGH_PROTOCOL[via], name) for via, name in reads if via in READ_THROUGH_PROTOCOL}
     return {
         path for path, section, name, parent in params_fields(params_model)
         if not {(parent, name), ("self", name), *((c.__name__, name) for c in section.__mro__)} & (reads | READ_BY_BUILT_NAME)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from components.config import ServingParams
 from flows.cli import app
 
-from .conftest import make_project, new_project_store, tiny_params
+from .conftest import SIGNING, make_project, new_project_store, tiny_params
 from .live_server import answers, free_port, kiln_up
 
 PROMETHEUS = shutil.which("prometheus")  # Debian's package; without it kiln up runs without --monitoring
@@ -169,6 +169,22 @@ def get_json(url: str) -> dict:
         return json.loads(response.read())
 
 
+def assert_the_private_key_is_only_in_its_file(root: Path, key: Path) -> None:
+    """After a signed run: the key's secret (its PEM body, its DER bytes) is in no file of the
+    project (MLflow store and artifacts, logs), nor of the session's Prefect home (results,
+    database), nor in the version's tags."""
+    from cryptography.hazmat.primitives import serialization
+
+    pem = key.read_bytes()
+    body = b"".join(line for line in pem.splitlines() if not line.startswith(b"-----"))
+    der = serialization.load_pem_private_key(pem, None).private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    secrets = [body, der, *(line for line in pem.splitlines() if len(line) == 64)]
+    places = [root, Path(os.environ["PREFECT_HOME"])]
+    found = [f for place in places for f in place.rglob("*") if f.is_file() and f != key and any(s in f.read_bytes() for s in secrets)]
+    assert not found, f"the private key leaked into {found}"
+    assert (root / "mlruns" / "mlflow.db").is_file() and any((root / "mlruns").rglob("model.sig"))  # what was searched holds a signed run
+
+
 @pytest.mark.slow
 def test_kiln_run_registers_a_challenger_prints_a_sample_and_a_second_run_registers_nothing(served):
     first = kiln_in(served, "run")
@@ -183,6 +199,7 @@ def test_kiln_run_registers_a_challenger_prints_a_sample_and_a_second_run_regist
 
     promoted = kiln_in(served, "promote")
     assert promoted.returncode == 0 and "kiln-tiny@champion → version 1" in promoted.stdout
+    assert_the_private_key_is_only_in_its_file(served.root, SIGNING.key)
     # What the MLflow UI shows, through kiln up's server.
     model = get_json(f"{served.mlflow}/api/2.0/mlflow/registered-models/get?name=kiln-tiny")["registered_model"]
     assert {a["alias"]: a["version"] for a in model["aliases"]} == {"challenger": "1", "champion": "1"}

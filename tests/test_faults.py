@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,10 @@ from mlflow import MlflowClient
 
 from components.errors import ConfigError, RegistryError, VersionRefused
 from components.files import file_sha256
-from registry import CHALLENGER, CHAMPION, RegistryTarget, promote, register_engine, resolve_alias
+from registry import CHALLENGER, CHAMPION, RegistryTarget, Signing, promote, register_engine, resolve_alias
 from serving import loader
 
-from .conftest import make_project, new_mlflow_store, new_project_store, tiny_params
+from .conftest import SIGNING, make_project, new_mlflow_store, new_project_store, tiny_params
 from .test_registry import record, versions
 
 KILN = str(Path(sys.executable).parent / "kiln")
@@ -53,24 +54,28 @@ def tamper(engine: Path, also_manifest: bool) -> None:
 def test_promote_refuses_a_version_whose_engine_file_was_changed_in_the_store(registry_target, engine_dir, also_manifest):
     version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
     tamper(stored_engine(registry_target, version), also_manifest)
-    with pytest.raises(VersionRefused, match=f"version {version} is refused: .*sha256"):
+    changed = "engine.json, model.onnx" if also_manifest else "model.onnx"
+    with pytest.raises(VersionRefused, match=f"version {version} is refused: its files are not the ones signed: changed {changed}"):
         promote(registry_target, CHAMPION, version=version)
     with pytest.raises(RegistryError, match="does not resolve"):
         resolve_alias(registry_target, CHAMPION)
 
 
-def test_the_loader_refuses_a_tampered_engine_even_with_a_matching_engine_json(registry_target, engine_dir, tmp_path):
-    version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
-    tamper(stored_engine(registry_target, version), also_manifest=True)
+def test_without_signatures_the_loader_still_refuses_a_tampered_engine_with_a_matching_engine_json(registry_target, engine_dir, tmp_path):
+    """registry.require_signature false (a store migrating to signatures): the version's
+    engine_sha256 tag is still checked against the file, not only engine.json."""
+    unsigned = replace(registry_target, signing=Signing(tmp_path / "no-key.pem", SIGNING.trusted, required=False))
+    version = register_engine(unsigned, engine_dir.path, engine_dir.sha256, record()).version
+    tamper(stored_engine(unsigned, version), also_manifest=True)
     with pytest.raises(VersionRefused, match=r"engine file has sha256 .*engine_sha256 tag says " + engine_dir.sha256[:12]):
-        loader.pull_version(registry_target, version, tmp_path / "cache")
+        loader.pull_version(unsigned, version, tmp_path / "cache")
 
 
 def test_the_loader_refuses_a_tampered_copy_in_its_own_cache(registry_target, engine_dir, tmp_path):
     version = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record()).version
     pulled = loader.pull_version(registry_target, version, tmp_path / "cache")
     tamper(pulled.engine_dir.path, also_manifest=True)
-    with pytest.raises(VersionRefused, match="engine_sha256 tag says"):
+    with pytest.raises(VersionRefused, match="its files are not the ones signed: changed engine.json, model.onnx"):
         loader.pull_version(registry_target, version, tmp_path / "cache")
 
 
@@ -96,10 +101,11 @@ def test_promote_refuses_a_version_whose_artifacts_are_gone(registry_target, eng
 
 RACER = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from pathlib import Path
-    from registry import RegistryTarget, register_engine, RunRecord
-    target = RegistryTarget(sys.argv[1], "kiln-race", "kiln-race", Path(sys.argv[2]))
+    from registry import RegistryTarget, register_engine, RunRecord, Signing
+    key = Path(os.environ["KILN_SIGNING_KEY"])  # the session's, as conftest set it
+    target = RegistryTarget(sys.argv[1], "kiln-race", "kiln-race", Path(sys.argv[2]), Signing(key, (key.with_suffix(".pub"),)))
     go = Path(sys.argv[4])
     print("ready", flush=True)  # mlflow imported: the race is the registration, not the imports
     while not go.exists():
@@ -112,7 +118,7 @@ RACER = textwrap.dedent(
 
 
 def test_racing_registrations_of_one_engine_from_three_processes_make_one_version(tmp_path, engine_dir):
-    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-race", "kiln-race", tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-race", "kiln-race", tmp_path / "artifacts", SIGNING)
     go = tmp_path / "go"
     args = [target.tracking_uri, str(target.artifact_root), str(engine_dir.path), str(go), engine_dir.sha256]
     racers = [subprocess.Popen([sys.executable, "-c", RACER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
@@ -148,7 +154,7 @@ def test_a_registration_killed_outright_is_cleaned_up_by_the_next_one(registry_t
 
 def test_a_registration_stopped_by_sigterm_leaves_no_version_and_no_running_run(tmp_path, engine_dir):
     """SIGTERM during registration (kiln's CLI turns it into SystemExit) rolls it back."""
-    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-term", "kiln-term", tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-term", "kiln-term", tmp_path / "artifacts", SIGNING)
     big = tmp_path / "big"
     big.mkdir()
     for index in range(400):  # enough artifact files that logging them takes a while
@@ -157,9 +163,10 @@ def test_a_registration_stopped_by_sigterm_leaves_no_version_and_no_running_run(
         f"""
         import signal, sys
         from pathlib import Path
-        from registry import RegistryTarget, RunRecord, register_engine
+        from registry import RegistryTarget, RunRecord, Signing, register_engine
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        target = RegistryTarget({target.tracking_uri!r}, "kiln-term", "kiln-term", Path({str(target.artifact_root)!r}))
+        key = Path({str(SIGNING.key)!r})
+        target = RegistryTarget({target.tracking_uri!r}, "kiln-term", "kiln-term", Path({str(target.artifact_root)!r}), Signing(key, (key.with_suffix(".pub"),)))
         print("registering", flush=True)
         record = RunRecord(params={{}}, metrics={{}}, version_tags={{"gates.passed": "true"}}, artifacts={{"big": Path({str(big)!r})}})
         register_engine(target, Path({str(engine_dir.path)!r}), {engine_dir.sha256!r}, record)

@@ -21,7 +21,7 @@ from serving.app import ServerSettings, create_app
 from serving.engine_process import RuntimeOptions
 from serving.sources import AliasSource
 
-from .conftest import build_engine, new_mlflow_store
+from .conftest import SIGNING, build_engine, new_mlflow_store
 from .live_server import LiveServer
 from .test_registry import record
 
@@ -86,7 +86,7 @@ def scores(tmp_path_factory, project, params, tiny_model, exported, data_version
     (root / "tasks").mkdir()
     tasks = write_tasks(root / "tasks", data_version.texts("eval"))
     int8 = build_engine(project, params, tiny_model, exported, data_version, "int8", calibration)
-    target = RegistryTarget(new_mlflow_store(root / "mlflow.db"), MODEL, MODEL, root / "artifacts")
+    target = RegistryTarget(new_mlflow_store(root / "mlflow.db"), MODEL, MODEL, root / "artifacts", SIGNING)
     versions = {precision: register_engine(target, e.path, e.sha256, record()).version for precision, e in (("fp32", engine_dir), ("int8", int8))}
     results = {"hf": evaluate("hf", {"pretrained": str(tiny_model.path), "dtype": "float32", "device": "cpu"}, tasks)}
     for precision, version in versions.items():

@@ -26,7 +26,7 @@ from registry import CHAMPION, RegistryTarget, promote, register_engine
 from serving.app import ServerSettings, create_app
 from serving.sources import AliasSource
 
-from .conftest import new_mlflow_store
+from .conftest import SIGNING, new_mlflow_store
 from .live_server import LiveServer, prometheus, wait_for
 from .test_registry import record
 
@@ -130,6 +130,10 @@ ALERT_CASES = {
     ),
     "KilnWaitingLineNearFull": ([_series("kiln_queue_depth", "bad", "60x20"), _series("kiln_queue_depth", "good", "3x20")], "12m", {"job": "kiln-serve", "instance": "bad"}),
     "KilnScrapeTargetDown": ([_series("up", "bad", "0x10"), _series("up", "good", "1x10")], "5m", {"job": "kiln-serve", "instance": "bad"}),
+    "KilnServingUnsignedEngine": (
+        [_series("kiln_served_engine_info", "bad", "1x10", version="3", signing_key="unsigned"), _series("kiln_served_engine_info", "good", "1x10", version="3", signing_key="ab12")],
+        "5m", {"job": "kiln-serve", "instance": "bad", "version": "3", "signing_key": "unsigned"},
+    ),
 }  # fmt: skip
 
 
@@ -188,7 +192,7 @@ def test_a_real_prometheus_fires_the_latency_alert_once_the_engine_slows_past_th
     """kiln serve under requests within a 500 ms budget: the recorded p99 stays under it and
     the alert is silent. Then the engine process is stopped for 1.5 s under three requests
     (SIGSTOP, as a stalled GPU or a swapping host would): the alert fires for that server."""
-    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-watched", "kiln-watched", tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), "kiln-watched", "kiln-watched", tmp_path / "artifacts", SIGNING)
     promote(target, CHAMPION, version=register_engine(target, engine_dir.path, engine_dir.sha256, record()).version)
     app = create_app(AliasSource(target, CHAMPION, tmp_path / "cache"), ServerSettings(poll_interval_s=0, max_tokens=8))
     body = {"model": "kiln-watched", "prompt": "The list", "max_tokens": 4}

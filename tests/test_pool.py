@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from components.config import BuildTarget, PoolParams, PrecisionParams, RegistryParams, TriggerParams
+from registry.signing import create_key, fingerprint
 
 from .conftest import make_project, tiny_params, with_trained_model
 from .live_server import KILN, answers, flow_runs, free_port, postgres_bin, postgres_server, prefect_api, wait_for
@@ -66,8 +67,12 @@ def pool(tmp_path_factory, tiny_model, exported):
                          "--host", "127.0.0.1", "--port", mlflow.rsplit(":", 1)[1], "--workers", "1"])  # fmt: skip
         start("prefect", ["prefect", "server", "start", "--host", "127.0.0.1", "--port", prefect.rsplit(":", 1)[1]], PREFECT_HOME=str(base / "prefect-server"))
         wait_for(lambda: answers(f"{mlflow}/health") and answers(f"{prefect}/api/health"), 180, "MLflow and Prefect servers answering")
+        # Each worker signs with the key its machine was given; the project trusts both.
+        keys = {target: base / f"keys-{target}" / "signing-key.pem" for target in ("fp32", "int8")}
+        publics = {target: create_key(key) for target, key in keys.items()}
+        registry = RegistryParams(tracking_uri=mlflow, model_name=MODEL, trusted_keys=[str(p) for p in publics.values()])
         params = tiny_params(
-            root, registry=RegistryParams(tracking_uri=mlflow, model_name=MODEL), precision=PrecisionParams(build=["fp32", "int8"]),
+            root, registry=registry, precision=PrecisionParams(build=["fp32", "int8"]),
             triggers=TriggerParams(on_promotion=False, data_poll_interval_s=0),
             pool=PoolParams(name="kiln-test", targets={"fp32": BuildTarget(precisions=["fp32"]), "int8": BuildTarget(precisions=["int8"])}),
         )  # fmt: skip
@@ -75,9 +80,9 @@ def pool(tmp_path_factory, tiny_model, exported):
         env = {"PREFECT_API_URL": f"{prefect}/api", "PREFECT_WORKER_QUERY_SECONDS": "1"}
         deploy_log = start("deploy", [KILN, "deploy", "--pool"], cwd=root, **env)
         wait_for(lambda: "stops it" in deploy_log.read_text(), 120, "kiln deploy --pool registering", deploy_log)
-        logs = [start(f"worker-{target}", [KILN, "worker", target], cwd=root, **env) for target in ("fp32", "int8")]
+        logs = [start(f"worker-{target}", [KILN, "worker", target], cwd=root, **env, KILN_SIGNING_KEY=str(keys[target])) for target in ("fp32", "int8")]
         wait_for(lambda: all("started!" in log.read_text() for log in logs), 120, "two workers polling", logs[-1])
-        yield SimpleNamespace(root=root, mlflow=mlflow, prefect=prefect, artifacts=base / "shared-artifacts", logs=[deploy_log, *logs])
+        yield SimpleNamespace(root=root, mlflow=mlflow, prefect=prefect, artifacts=base / "shared-artifacts", logs=[deploy_log, *logs], publics=publics)
 
 
 @contextmanager
@@ -130,6 +135,8 @@ def test_two_workers_on_a_pool_build_one_model_versions_engines_into_mlflow_on_p
     assert sorted(t["precision"] for t in tags) == ["fp32", "int8"]
     assert len({t["source_model_sha256"] for t in tags}) == 1 and len({t["data_md5"] for t in tags}) == 1  # one model version
     assert all(t["gates.passed"] == "true" for t in tags)
+    signers = {t["precision"]: t["signing_key"] for t in tags}  # signed on the worker that built it, with that worker's key
+    assert signers == {target: fingerprint(public.read_bytes()) for target, public in pool.publics.items()}
     model = httpx.get(f"{pool.mlflow}/api/2.0/mlflow/registered-models/get", params={"name": MODEL}, timeout=10).json()["registered_model"]
     assert [a["alias"] for a in model["aliases"]] == ["challenger"]
     stored = {p.name for p in pool.artifacts.rglob("*.onnx")}

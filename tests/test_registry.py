@@ -179,12 +179,35 @@ def test_the_registry_target_is_the_configured_uri_or_the_projects_embedded_stor
     from components.config import RegistryParams
     from registry import registry_target
 
+    def where(target: RegistryTarget) -> tuple:
+        return target.tracking_uri, target.model_name, target.experiment, target.artifact_root
+
     embedded = registry_target(RegistryParams(), tmp_path)
-    assert embedded == RegistryTarget(f"sqlite:///{tmp_path}/mlruns/mlflow.db", "kiln-gpt2", "kiln", tmp_path / "mlruns" / "artifacts")
+    assert where(embedded) == (f"sqlite:///{tmp_path}/mlruns/mlflow.db", "kiln-gpt2", "kiln", tmp_path / "mlruns" / "artifacts")
     named = registry_target(RegistryParams(tracking_uri="sqlite:////srv/store/db.sqlite", model_name="m", experiment="e"), tmp_path)
-    assert named == RegistryTarget("sqlite:////srv/store/db.sqlite", "m", "e", Path("/srv/store/artifacts"))
+    assert where(named) == ("sqlite:////srv/store/db.sqlite", "m", "e", Path("/srv/store/artifacts"))
     server = registry_target(RegistryParams(tracking_uri="http://mlflow.internal:5000", model_name="m", experiment="e"), tmp_path)
-    assert server == RegistryTarget("http://mlflow.internal:5000", "m", "e", None)
+    assert where(server) == ("http://mlflow.internal:5000", "m", "e", None)
+
+
+def test_a_project_signs_with_its_key_and_trusts_the_listed_keys_and_its_own(tmp_path, monkeypatch):
+    from components.config import RegistryParams
+    from registry import registry_target
+    from registry.signing import create_key
+
+    colleague = create_key(tmp_path / "colleague.pem")
+    mine = tmp_path / "home" / "mine.pem"
+    create_key(mine)
+    monkeypatch.setenv("KILN_SIGNING_KEY", str(mine))
+    listed = RegistryParams(trusted_keys=["../colleague.pub"])
+    signing = registry_target(listed, tmp_path / "project").signing
+    assert signing.key == mine and signing.required
+    assert signing.trusted == (tmp_path / "project" / "../colleague.pub", mine.with_suffix(".pub"))
+    assert colleague.is_file()
+    assert registry_target(listed.model_copy(update={"trust_own_key": False}), tmp_path / "project").signing.trusted == (tmp_path / "project" / "../colleague.pub",)
+    monkeypatch.delenv("KILN_SIGNING_KEY")
+    configured = registry_target(RegistryParams(signing_key=str(mine), require_signature=False), tmp_path).signing
+    assert configured.key == mine and not configured.required
 
 
 def test_a_registration_logs_its_datasets_with_digest_source_context_and_profile(registry_target, engine_dir):

@@ -9,6 +9,7 @@ client. What the server answers is compared with the runtime the gates drove.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -29,16 +31,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
-from registry import CHAMPION, RegistryTarget, promote, register_engine
+from registry import CHAMPION, RegistryTarget, Signing, promote, register_engine
+from registry.signing import fingerprint
 from serving.app import VERSION_HEADER, ServerSettings, create_app
 from serving.engine_process import RuntimeOptions
 from serving.sources import AliasSource
 from serving.webhooks import signature_of
 
-from .conftest import build_engine, new_mlflow_store
+from .conftest import SIGNING, build_engine, new_mlflow_store
 from .live_server import LiveServer, free_port
 from .live_server import mlflow_server as running_mlflow_server
 from .test_faults import stored_engine, tamper
+from .test_signing import ATTACKS
 from .test_registry import record
 
 MODEL = "kiln-serve"
@@ -55,7 +59,7 @@ class Store:
 
     def __init__(self, root: Path, engine_dir, int8_engine_dir) -> None:
         self.root = root
-        self.target = RegistryTarget(new_mlflow_store(root / "mlflow.db"), MODEL, MODEL, root / "artifacts")
+        self.target = RegistryTarget(new_mlflow_store(root / "mlflow.db"), MODEL, MODEL, root / "artifacts", SIGNING)
         self.fp32 = register_engine(self.target, engine_dir.path, engine_dir.sha256, record()).version
         self.int8 = register_engine(self.target, int8_engine_dir.path, int8_engine_dir.sha256, record()).version
         promote(self.target, CHAMPION, version=self.fp32)
@@ -167,12 +171,14 @@ def test_a_streamed_delta_chunk_is_the_json_of_the_whole_chunk(text):
     assert _ChunkWriter("cmpl-1", 7, 'model "x"').delta(2, text) == f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-def test_models_lists_the_served_version_with_its_precision_backend_and_sha256(server, store, engine_dir):
+def test_models_lists_the_served_version_with_its_precision_backend_sha256_and_signer(server, store, engine_dir):
     response = httpx.get(f"{server.url}/v1/models")
     (card,) = response.json()["data"]
     assert card["id"] == MODEL and card["object"] == "model"
     assert (card["version"], card["alias"], card["precision"], card["backend"]) == (store.fp32, "champion", "fp32", "onnxruntime")
     assert card["engine_sha256"] == engine_dir.sha256
+    assert card["signing_key"] == fingerprint(SIGNING.trusted[0].read_bytes())
+    assert metrics_of(server)[f'kiln_served_engine_info{{"backend": "onnxruntime", "engine_sha256": "{engine_dir.sha256}", "model": "{MODEL}", "precision": "fp32", "signing_key": "{card["signing_key"]}", "version": "{store.fp32}"}}'] == 1
     assert response.headers[VERSION_HEADER] == store.fp32
     assert httpx.get(f"{server.url}/readyz").json()["version"] == store.fp32
 
@@ -1023,7 +1029,7 @@ def test_a_moved_alias_is_picked_up_by_polling_under_load_with_no_failed_request
 
 def spoil_tampered(store: Store) -> str:
     tamper(stored_engine(store.target, store.int8), also_manifest=True)
-    return "sha256"
+    return "its files are not the ones signed"
 
 
 def spoil_gates(store: Store) -> str:
@@ -1048,12 +1054,21 @@ def spoil_forced_then_tampered(store: Store) -> str:
     MlflowClient(store.target.tracking_uri).set_model_version_tag(MODEL, store.int8, "gates.passed", "false")
     promote(store.target, "reviewed", version=store.int8, by="a person", reason="latency only; quality checked by hand", force=True)
     tamper(stored_engine(store.target, store.int8), also_manifest=True)
-    return "sha256"
+    return "its files are not the ones signed"
 
 
-@pytest.mark.parametrize(
-    "spoil", [spoil_tampered, spoil_gates, spoil_artifacts, spoil_forced_then_tampered], ids=["tampered-engine", "gates-failed", "artifacts-gone", "forced-then-tampered"]
-)
+def attacked(attack):
+    """An attack of test_signing.py on the int8 version (the one the alias will move to)."""
+    return lambda store: attack(store.target, store.int8)
+
+
+SPOILS = {
+    "tampered-engine": spoil_tampered, "gates-failed": spoil_gates, "artifacts-gone": spoil_artifacts, "forced-then-tampered": spoil_forced_then_tampered,
+    **{name: attacked(attack) for name, attack in ATTACKS.items()},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("spoil", SPOILS.values(), ids=SPOILS.keys())
 def test_a_version_the_loader_refuses_is_never_served_and_the_old_one_keeps_serving(fresh_store, engine_dir, caplog, spoil):
     from mlflow import MlflowClient
 
@@ -1074,6 +1089,22 @@ def test_a_version_the_loader_refuses_is_never_served_and_the_old_one_keeps_serv
     assert card["version"] == fresh_store.fp32 and card["engine_sha256"] == engine_dir.sha256
     assert refusals == 1  # logged and counted once, not at every poll
     assert any(f"keeping version {fresh_store.fp32}" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_an_unsigned_version_serves_only_where_signatures_are_not_required_and_says_so(engine_dir, tmp_path, caplog):
+    """registry.require_signature false (migrating an old store): the unsigned version serves,
+    with a warning in the log and `signing_key="unsigned"` on kiln_served_engine_info; a
+    server that requires signatures refuses to start on it."""
+    lenient = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), MODEL, MODEL, tmp_path / "artifacts", Signing(tmp_path / "no-key.pem", SIGNING.trusted, required=False))
+    promote(lenient, CHAMPION, version=register_engine(lenient, engine_dir.path, engine_dir.sha256, record()).version)
+    with caplog.at_level(logging.WARNING, logger="kiln.serving"), LiveServer(create_app(AliasSource(lenient, CHAMPION, tmp_path / "cache"), ServerSettings(poll_interval_s=0))) as live:
+        (card,) = httpx.get(f"{live.url}/v1/models").json()["data"]
+        served = [value for name, value in metrics_of(live).items() if name.startswith("kiln_served_engine_info") and '"signing_key": "unsigned"' in name]
+    assert card["signing_key"] == "unsigned" and served == [1.0]
+    assert any("UNSIGNED" in r.getMessage() and "require_signature is false" in r.getMessage() for r in caplog.records)
+    strict = replace(lenient, signing=SIGNING)
+    with pytest.raises(RuntimeError, match="it is not signed"), LiveServer(create_app(AliasSource(strict, CHAMPION, tmp_path / "strict"), ServerSettings(poll_interval_s=0))):
+        pass
 
 
 # ---------------------------------------------------------------- webhooks
@@ -1136,7 +1167,7 @@ def test_an_alias_set_through_the_mlflow_server_reaches_the_server_by_webhook_un
 
     from registry import register_alias_webhook
 
-    http_target = RegistryTarget(mlflow_server, MODEL, MODEL)
+    http_target = RegistryTarget(mlflow_server, MODEL, MODEL, signing=SIGNING)
     with LiveServer(fresh_store.app(poll_interval_s=0)) as live:  # no polling: only the webhook can move it
         register_alias_webhook(http_target, f"{live.url}/hooks/mlflow", SECRET)
         stop, results = threading.Event(), []
@@ -1273,7 +1304,7 @@ def test_a_version_whose_backend_cannot_run_here_is_refused_naming_it(tmp_path, 
     manifest |= {"backend": "tensorrt", "backend_version": "11.0.0", "target": "sm_90", "engine_file": "model.engine"}
     manifest["engine_sha256"] = file_sha256(trt_dir / "model.engine")
     (trt_dir / "engine.json").write_text(json.dumps(manifest))
-    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), MODEL, MODEL, tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), MODEL, MODEL, tmp_path / "artifacts", SIGNING)
     version = register_engine(target, trt_dir, manifest["engine_sha256"], record()).version
     promote(target, CHAMPION, version=version)
     app = create_app(AliasSource(target, CHAMPION, tmp_path / "cache"), ServerSettings(poll_interval_s=0))

@@ -20,9 +20,11 @@ import yaml
 
 from components.config import ConfigError, TriggerParams, load_params
 from components.errors import DataError
+from components.files import file_sha256
 
 from .conftest import DVC, make_project, new_project_store, tiny_params
 from .live_server import KILN, flow_runs, free_port, kiln_up, prefect_api, wait_for
+from .test_faults import tamper
 
 MODEL = "kiln-tiny"
 
@@ -346,16 +348,20 @@ def test_an_alias_set_in_mlflow_starts_verify_promotion_whose_result_lands_on_th
 
 
 @pytest.mark.slow
-def test_verify_promotion_fails_a_version_whose_stored_engine_no_longer_matches_its_sha256(deployed):
+def test_verify_promotion_fails_a_version_whose_engine_was_swapped_in_the_store_with_its_tags_rewritten(deployed):
+    """The attack of someone who can write to the store: new engine bytes, engine.json and the
+    engine_sha256 tag made to agree. Only the signature tells."""
+    from mlflow import MlflowClient
+
     prefect, before = deployed.prefect, len(flow_runs(deployed.prefect, "verify-promotion"))
     run_id = versions(deployed.root)[0]["run_id"]
     (engine_file,) = [p for p in (deployed.root / "mlruns" / "artifacts").rglob("model.onnx") if run_id in p.parts]
-    with engine_file.open("ab") as handle:
-        handle.write(b"tampered")
+    tamper(engine_file.parent, also_manifest=True)
+    MlflowClient(f"sqlite:///{deployed.root / 'mlruns' / 'mlflow.db'}").set_model_version_tag(MODEL, "1", "engine_sha256", file_sha256(engine_file))
     set_alias(deployed.mlflow, "champion", "1")
     (run,) = wait_for(lambda: finished(prefect, "verify-promotion", before), 300, "verify-promotion", deployed.deploy_log, stacks_of=deployed.deploy)
     assert run["state_type"] == "FAILED"
     tags = versions(deployed.root)[0]
     assert tags["verification.passed"] == "false"
-    assert tags["verification.failure"].startswith(f"{MODEL} version 1 is refused: engine file")
-    assert "is corrupt: sha256" in tags["verification.failure"] and "verification.quality.top1_agreement" not in tags
+    assert tags["verification.failure"] == f"{MODEL} version 1 is refused: its files are not the ones signed: changed engine.json, model.onnx"
+    assert "verification.quality.top1_agreement" not in tags

@@ -26,7 +26,7 @@ from registry import CHAMPION, RegistryTarget, RunRecord, get_version, promote, 
 from serving.app import VERSION_HEADER, ServerSettings, create_app
 from serving.sources import AliasSource
 
-from .conftest import engine_with_more_rows, new_mlflow_store
+from .conftest import SIGNING, engine_with_more_rows, new_mlflow_store
 from .live_server import LiveServer, mlflow_server
 from .test_registry import record
 from .test_serving import SECRET, metrics_of, wait_for_version
@@ -50,7 +50,7 @@ def registry(tmp_path, engine_dir, tiny_model, params, report) -> tuple[Registry
     """Three versions of the fp32 engine (batch profiles 8, 9, 10: three engines to the
     registry) with the pipeline's descriptions; the third failed its gates; the first is
     champion."""
-    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), MODEL, MODEL, tmp_path / "artifacts")
+    target = RegistryTarget(new_mlflow_store(tmp_path / "mlflow.db"), MODEL, MODEL, tmp_path / "artifacts", SIGNING)
     reports = tmp_path / "gates"
     write_report(report, reports)
     versions: list[str] = []
