@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -82,9 +82,10 @@ def create_app(source: EngineSource, settings: ServerSettings = ServerSettings()
             metrics.ready.set(0)
             await asyncio.to_thread(follower.close)
 
-    app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kiln serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)  # served below, behind the API key
     app.state.follower, app.state.metrics, app.state.settings = follower, metrics, settings
     _routes(app, follower, metrics, settings)
+    _documentation(app, settings)
     _error_handlers(app, follower)
     return app
 
@@ -128,10 +129,12 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
     @app.get("/healthz")
     async def healthz() -> dict:
+        """Liveness: 200 while the process answers."""
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz() -> Response:
+        """200 with the served version's facts while a warm engine serves; 503 before, and while its engine process loads again."""
         current = follower.current
         if current is None or not current.scheduler.alive:  # not loaded yet, or its engine process died and is loading again
             return JSONResponse({"ready": False}, status_code=503)
@@ -139,11 +142,13 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        """Prometheus metrics (text format): docs/reference/metrics.md lists them."""
         # Off the event loop: a scrape reads the registry (an MLflow query) and NVML.
         return PlainTextResponse(await asyncio.to_thread(generate_latest, metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        """The one model served: its registered version, alias, precision, backend, engine sha256 and signing key."""
         _authorize(request, settings)
         engine = served()
         body = handlers.model_list(engine, follower.source.alias)
@@ -166,10 +171,12 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        """OpenAI's completions: a prompt (text, token ids, or a list of either), sampling, `n`, `logprobs`, `echo`, stop strings; `stream` answers server-sent events."""
         return await _serve(request, handlers.parse_completion, handlers.completion_prepared, handlers.stream, handlers.complete)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        """OpenAI's chat completions: the messages rendered with the version's chat template (400 where it has none), then as completions."""
         return await _serve(request, handlers.parse_chat, handlers.chat_prepared, handlers.stream_chat, handlers.complete_chat)
 
     async def _answered(answer, engine: ServedEngine, job: handlers.Submitted) -> Response:
@@ -185,6 +192,7 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
     @app.post("/hooks/mlflow")
     async def mlflow_webhook(request: Request) -> Response:
+        """MLflow's alias webhooks (HMAC-signed with the webhook secret): the server re-reads the alias and swaps engines."""
         try:
             secret = _webhook_secret(settings)
             event = verified_alias_event(secret, request.headers, await _body(request, settings.max_body_bytes), time.time(), settings.webhook_max_age_s)
@@ -197,6 +205,26 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
         if ours:  # re-read the alias from the registry: the payload is a hint, the registry the truth
             asyncio.get_running_loop().run_in_executor(None, lambda: follower.follow(retry_refused=True))
         return JSONResponse({"accepted": True, "followed": ours})
+
+
+def _documentation(app: FastAPI, settings: ServerSettings) -> None:
+    """`GET /openapi.json` and a Swagger UI at `GET /docs`, behind the API key where one is set."""
+    from importlib.metadata import version
+
+    from serving.openapi import docs_page, documented_schema
+
+    schema = documented_schema(app, version("kiln"))
+    app.openapi = lambda: schema
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        _authorize(request, settings)
+        return JSONResponse(schema)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        _authorize(request, settings)
+        return HTMLResponse(docs_page(schema))
 
 
 async def _streamed(chunks: AsyncIterator[str], job: handlers.Submitted, metrics: ServerMetrics) -> AsyncIterator[str]:

@@ -883,6 +883,22 @@ def test_a_bearer_token_guards_the_api_but_not_health_or_metrics(store):
         assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert OpenAI(base_url=f"{live.url}/v1", api_key="s3cret").completions.create(model=MODEL, prompt="x", max_tokens=2).choices
         assert client.get("/healthz").status_code == 200 and client.get("/metrics").status_code == 200
+        assert client.get("/openapi.json").status_code == 401 and client.get("/docs").status_code == 401
+        assert client.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert "swagger-ui" in client.get("/docs", headers={"Authorization": "Bearer s3cret"}).text
+
+
+def test_the_openapi_schema_describes_the_bodies_the_completion_routes_parse(server):
+    """The routes parse their own bodies (OpenAI-style errors), so FastAPI cannot see them:
+    the served schema names the same pydantic models, and a body it documents is answered."""
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    completions = schema["paths"]["/v1/completions"]["post"]
+    assert completions["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/CompletionRequest"}
+    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "n", "logprobs", "echo"} <= set(fields)
+    assert schema["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ModelList")
+    assert "signing_key" in schema["components"]["schemas"]["ModelCard"]["properties"]
+    assert "/openapi.json" not in schema["paths"] and "/docs" not in schema["paths"]
 
 
 # ---------------------------------------------------------------- metrics
