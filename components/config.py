@@ -21,7 +21,8 @@ from components.errors import ConfigError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Each key's docstring is its description (the params reference is generated from them).
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 # ---------------------------------------------------------------- data sources
@@ -33,23 +34,31 @@ class CPythonDocsSource(_Section):
     at first, so the default data is the docs alone)."""
 
     kind: Literal["cpython-docs"] = "cpython-docs"
+    """`cpython-docs`: CPython's bundled pydoc topics and stdlib docstrings (offline), plus your own files."""
     glob: str | None = "corpus/**/*.txt"
+    """Your own text files beside the docs, relative to the project (`kiln data add` copies files there); null: the docs alone."""
 
 
 class TextFilesSource(_Section):
     """Local text files matched by a glob, relative to the project root."""
 
     kind: Literal["text-files"]
+    """`text-files`: local text files only."""
     glob: str
+    """The files, relative to the project root."""
 
 
 class HFDatasetSource(_Section):
     """A Hugging Face dataset (local path or hub id where the hub is reachable)."""
 
     kind: Literal["hf-dataset"]
+    """`hf-dataset`: a Hugging Face dataset."""
     name: str
+    """A local dataset path, or a hub id where the hub is reachable."""
     split: str = "train"
+    """The dataset split to read."""
     text_field: str = "text"
+    """The column holding the text."""
 
 
 CorpusSource = Annotated[
@@ -59,16 +68,24 @@ CorpusSource = Annotated[
 
 class SplitParams(_Section):
     eval_fraction: float = Field(0.05, gt=0, lt=0.5)
+    """Share of passages held out for evaluation (gates, perplexity)."""
     calibration_fraction: float = Field(0.05, gt=0, lt=0.5)
+    """Share of passages kept for int8 calibration."""
 
 
 class DataParams(_Section):
     source: CorpusSource = CPythonDocsSource()
+    """Where the corpus comes from (`kind`: cpython-docs, text-files or hf-dataset)."""
     path: str = "data"
+    """The data folder, relative to the project; DVC tracks it as `<path>.dvc`."""
     min_chars: int = Field(64, ge=1)
+    """Passages shorter than this (after cleaning) are dropped."""
     max_chars: int = Field(4000, ge=16)
+    """Longer passages are cut into pieces of at most this many characters."""
     split: SplitParams = SplitParams()
+    """How passages are divided into train, eval and calibration (by a hash of their text)."""
     dvc_push: bool = True
+    """Push each new data version to the DVC remote (`.kiln/dvc-remote` by default)."""
 
 
 # ---------------------------------------------------------------- model
@@ -76,7 +93,9 @@ class DataParams(_Section):
 
 class TokenizerParams(_Section):
     vocab_size: int = Field(4096, ge=300)
+    """Size of the byte-level BPE vocabulary trained from scratch."""
     min_frequency: int = Field(2, ge=1)
+    """A merge must occur this often in the training text to enter the vocabulary."""
 
 
 class ArchitectureParams(_Section):
@@ -84,15 +103,21 @@ class ArchitectureParams(_Section):
     positions, grouped-query attention, tied embeddings as small Llamas have)."""
 
     family: Literal["gpt2", "llama"] = "gpt2"
+    """The model trained from scratch: `gpt2` or `llama`."""
     n_layer: int = Field(2, ge=1)
+    """Transformer layers."""
     n_head: int = Field(4, ge=1)
+    """Attention heads per layer."""
     n_embd: int = Field(128, ge=8)
+    """Hidden width (a multiple of `n_head`)."""
     n_positions: int = Field(256, ge=16)
-    # Llama only. None: as many KV heads as heads; an MLP of 8/3 n_embd (GPT-2's 4 n_embd
-    # in parameters, SwiGLU having three matrices); rope_theta 10000.
+    """The model's context in tokens (the engine profiles must fit inside it)."""
     n_kv_heads: int | None = Field(None, ge=1)
+    """Llama only: key/value heads (grouped-query attention; divides `n_head`); null: as many as heads."""
     intermediate_size: int | None = Field(None, ge=8)
+    """Llama only: the SwiGLU MLP's width; null: 8/3 of `n_embd`, rounded up to a multiple of 8."""
     rope_theta: float | None = Field(None, gt=0)
+    """Llama only: the rotary embedding's base; null: 10000."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ArchitectureParams:
@@ -120,24 +145,34 @@ class ArchitectureParams(_Section):
 
 class TrainingParams(_Section):
     steps: int = Field(1200, ge=0)
+    """Optimizer steps; 0 with `model.pretrained` uses that model as it is."""
     batch_size: int = Field(16, ge=1)
+    """Sequences per optimizer step."""
     block_size: int = Field(128, ge=8)
+    """Tokens per training sequence."""
     learning_rate: float = Field(3e-3, gt=0)
+    """Peak AdamW learning rate (after warm-up, then cosine decay)."""
     warmup_steps: int = Field(100, ge=0)
+    """Steps of linear learning-rate warm-up."""
     weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay."""
     eval_batches: int = Field(20, ge=1)
+    """Batches of the eval split the reported eval perplexity is measured on."""
     seed: int = 0
+    """Seed of initialisation and batch order."""
     threads: int | None = Field(None, ge=1)
+    """torch threads while training; null: torch's default."""
 
 
 class ModelParams(_Section):
-    # None: train a tokenizer and a model of `architecture.family` from scratch. A path or
-    # hub id: start from that model (any family kiln builds); with training.steps > 0 it is
-    # fine-tuned, with 0 it is used as is.
     pretrained: str | None = None
+    """null: train a tokenizer and a model from scratch; a local model directory (or hub id): start from it, fine-tuned when `training.steps` > 0."""
     tokenizer: TokenizerParams = TokenizerParams()
+    """The tokenizer trained from scratch (ignored with `pretrained`)."""
     architecture: ArchitectureParams = ArchitectureParams()
+    """The model trained from scratch (ignored with `pretrained`)."""
     training: TrainingParams = TrainingParams()
+    """How the model is trained or fine-tuned."""
 
 
 # ---------------------------------------------------------------- export / build
@@ -145,15 +180,20 @@ class ModelParams(_Section):
 
 class ExportParams(_Section):
     opset: int = Field(18, ge=17)
+    """ONNX opset of the export."""
     parity_tolerance: float = Field(1e-4, gt=0)
+    """Largest |Δlogits| allowed between the ONNX graph and PyTorch on the parity checks."""
 
 
 class ShapeRange(_Section):
     """min / opt / max of one dynamic dimension in an optimization profile."""
 
     min: int = Field(ge=0)
+    """Smallest size the engine accepts."""
     opt: int = Field(ge=0)
+    """The size the engine is tuned for (TensorRT's optimization profile)."""
     max: int = Field(ge=1)
+    """Largest size the engine accepts."""
 
     @model_validator(mode="after")
     def _ordered(self) -> ShapeRange:
@@ -163,11 +203,12 @@ class ShapeRange(_Section):
 
 
 class ProfileParams(_Section):
-    # max: the most sequences `kiln serve` decodes together (its continuous batch).
     batch: ShapeRange = ShapeRange(min=1, opt=1, max=16)
+    """Sequences decoded together; its max is `kiln serve`'s largest continuous batch."""
     prompt: ShapeRange = ShapeRange(min=1, opt=32, max=128)
-    # Total context (past + new tokens) in the generation phase.
+    """Prompt lengths in tokens (the prefill)."""
     context: ShapeRange = ShapeRange(min=2, opt=64, max=256)
+    """Total context (past + new tokens) during generation."""
 
 
 Precision = Literal["fp32", "fp16", "int8", "int4"]
@@ -179,28 +220,32 @@ class KeepFloatParams(_Section):
     """Nodes left in float when the rest of the graph is quantized."""
 
     op_types: list[str] = ["LayerNormalization", "Softmax"]
-    name_patterns: list[str] = []  # regular expressions matched against node names
-    attention_scores: bool = True  # the activation × activation MatMuls (Q·Kᵀ, attn·V)
-    # A SwiGLU MLP's down projection (Llama, Qwen2, Mistral): its input, silu(gate)·up, has
-    # outliers that one int8 scale per tensor clips (the default-size Llama's top-1
-    # agreement 0.957 with it quantized, 0.971 float; perplexity +0.32 % vs -0.01 %).
+    """ONNX operator types left in float."""
+    name_patterns: list[str] = []
+    """Regular expressions matched against node names; matching nodes stay float."""
+    attention_scores: bool = True
+    """Keep the activation × activation MatMuls (Q·Kᵀ, attention·V) float."""
+    # Its input, silu(gate)·up, has outliers one int8 scale clips; measured: docs/performance.md,
+    # "Measured choices behind the defaults".
     swiglu_down: bool = True
+    """Keep a SwiGLU MLP's down projection float (its input's outliers clip under one int8 scale)."""
 
 
 class Int8Params(_Section):
     # The linear layers hold the weights (and the time); quantizing residual Adds, embedding
     # Gathers or reshapes costs quality and buys no int8 kernel.
     op_types: list[str] = ["MatMul", "Gemm"]
+    """Operator types quantized (the linear layers, which hold the weights and the time)."""
     calibration_method: Literal["minmax", "entropy", "percentile"] = "percentile"
+    """How activation ranges are chosen from the calibration feeds: `minmax`, `entropy` or `percentile`."""
     per_channel: bool = True
-    # 7-bit weights. x86 CPUs without VNNI (AVX2 only) multiply int8 with VPMADDUBSW, whose
-    # pairwise int16 sums saturate on full-range weights: the same engine computed a
-    # different model there (the default int8 engine's top-1 agreement 0.98 → 0.95, BLEU
-    # down 26 %). With weights in ±64 no sum can saturate (ONNX Runtime's quantization docs
-    # name this remedy): the default engine's logits came out bit-identical on an AVX2-only
-    # EPYC and an AVX-512-VNNI Xeon, where full-range weights differed by up to 2.0.
+    """One weight scale per output channel rather than per tensor."""
+    # AVX2-only CPUs sum int8 products pairwise in int16 (VPMADDUBSW), which saturates on
+    # full-range weights; measured: docs/performance.md, "Measured choices behind the defaults".
     reduce_range: bool = True
+    """7-bit weights (±64), so CPUs without VNNI cannot saturate their int16 sums: the same logits on every x86 CPU."""
     keep_float: KeepFloatParams = KeepFloatParams()
+    """Nodes left in float."""
 
 
 class Int4Params(_Section):
@@ -208,15 +253,16 @@ class Int4Params(_Section):
     constant weight: at batch 1 a token's time is reading the weights, and 4 bits read half
     of int8's bytes. Activations stay float; nothing is calibrated."""
 
-    block_size: int = Field(32, ge=16, le=256)  # weights per scale, along the input dimension
-    symmetric: bool = True  # False: a zero point per block too
-    # MatMulNBits' arithmetic: 4 quantizes the activations to int8 per block and multiplies
-    # with int8 kernels (VNNI where the CPU has it); 0 dequantizes the weights to float.
+    block_size: int = Field(32, ge=16, le=256)
+    """Weights per scale along the input dimension (a power of two)."""
+    symmetric: bool = True
+    """Symmetric blocks; false adds a zero point per block."""
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
-    # The LM head (the tied embedding's transpose, GPT-2's largest matrix): float it read 154
-    # of GPT-2-small's 243 MB a token. 8-bit blocks keep its logits close; 4 bits measured no
-    # faster on 2 cores (the step is not only reads there). llama.cpp keeps it above 4 bits too.
+    """MatMulNBits' arithmetic: 4 quantizes activations to int8 per block (int8 kernels, VNNI where present); 0 dequantizes the weights to float."""
+    # The tied LM head is GPT-2's largest matrix; measured: docs/performance.md, "Measured
+    # choices behind the defaults".
     lm_head_bits: Literal[4, 8] | None = 8
+    """Bits of the LM head's blocks (8 keeps its logits close); null: float."""
 
     @field_validator("block_size")
     @classmethod
@@ -230,35 +276,49 @@ class Fp16Params(_Section):
     # RMSNormalization (Llama's norm) is an ONNX op from opset 23 only; below it the export
     # decomposes it, and the precision stage finds the decomposition (x², mean, rsqrt).
     keep_fp32_op_types: list[str] = ["LayerNormalization", "RMSNormalization", "Softmax"]
+    """Operator types kept in fp32 (norms, including RMSNorm's decomposition, and softmax)."""
 
 
 class PrecisionParams(_Section):
     build: list[Precision] = Field(default_factory=lambda: ["fp32", "int8"], min_length=1)
+    """The precisions each run builds, gates and registers."""
     int8: Int8Params = Int8Params()
+    """int8 static Q/DQ quantization."""
     int4: Int4Params = Int4Params()
+    """int4 weight-only block quantization (ONNX Runtime only)."""
     fp16: Fp16Params = Fp16Params()
+    """fp16 conversion."""
 
 
 class CalibrationParams(_Section):
     samples: int = Field(128, ge=1)
+    """Calibration prompts drawn from the calibration split."""
     buckets: int = Field(4, ge=1)
-    decode_steps: int = Field(4, ge=0)  # decode-step feeds with a real past, per prompt
-    near_duplicate_threshold: float = Field(0.8, gt=0, le=1)  # MinHash Jaccard estimate
+    """Token-length buckets the prompts are stratified over (between the prompt profile's min and max)."""
+    decode_steps: int = Field(4, ge=0)
+    """Decode-step feeds per prompt, with a real past, so decode activations are calibrated too."""
+    near_duplicate_threshold: float = Field(0.8, gt=0, le=1)
+    """Prompts whose MinHash Jaccard estimate reaches this are near duplicates; one is kept."""
     seed: int = 0
+    """Seed of the draw."""
 
 
 class TensorRTParams(_Section):
     workspace_mib: int = Field(4096, ge=64)
+    """TensorRT's builder workspace in MiB."""
     optimization_level: int = Field(3, ge=0, le=5)
-    timing_cache: str = ".kiln/tensorrt/timing.cache"  # reused across builds; relative to the project root
+    """TensorRT's builder optimization level (0-5)."""
+    timing_cache: str = ".kiln/tensorrt/timing.cache"
+    """Timing cache reused across builds, relative to the project root."""
 
 
 class BuildParams(_Section):
-    # auto: TensorRT where it imports and an NVIDIA GPU is present; else torch-cuda (fp32 and
-    # fp16) where torch sees a CUDA GPU; else ONNX Runtime (components.build.resolve_backend).
     backend: Literal["auto", "onnxruntime", "tensorrt", "torch-cuda"] = "auto"
+    """`auto`: TensorRT where it runs, else torch-cuda where torch sees a GPU, else ONNX Runtime; or one of them by name."""
     profiles: ProfileParams = ProfileParams()
+    """The shapes every engine accepts."""
     tensorrt: TensorRTParams = TensorRTParams()
+    """TensorRT's builder settings."""
 
 
 # ---------------------------------------------------------------- gates
@@ -266,12 +326,16 @@ class BuildParams(_Section):
 
 class QualityLimits(_Section):
     min_top1_agreement: float = Field(ge=0, le=1)
+    """Least share of positions where the engine's top token is the model's."""
     max_ppl_increase_pct: float = Field(ge=0)
+    """Most the engine's perplexity may exceed the model's, in percent."""
 
 
 class QualityGateParams(_Section):
     sequences: int = Field(32, ge=1)
+    """Eval-split sequences scored."""
     sequence_length: int = Field(64, ge=2)
+    """Tokens per scored sequence."""
     # Per precision: fp32 must match its reference; int8 may lose a little (TensorRT
     # deployments report < 2 % BLEU/ROUGE change for int8: we hold perplexity to that).
     limits: dict[Precision, QualityLimits] = {
@@ -280,39 +344,50 @@ class QualityGateParams(_Section):
         "int8": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0),
         "int4": QualityLimits(min_top1_agreement=0.93, max_ppl_increase_pct=3.0),
     }
+    """Limits per precision."""
 
 
 class TextLimits(_Section):
     """How far below the reference model's own scores the engine's text may fall, in percent."""
 
     max_rouge_l_drop_pct: float = Field(ge=0)
+    """Most the engine's ROUGE-L may fall below the model's, in percent."""
     max_bleu_drop_pct: float = Field(ge=0)
+    """Most the engine's BLEU may fall below the model's, in percent."""
 
 
 class TextGateParams(_Section):
     """Greedy continuations of held-out prompts, by the engine and by the PyTorch model it
     came from, each scored against the held-out text that followed the prompt."""
 
-    # Half of an int8 engine's continuations part from the model's somewhere, so the drop is
-    # noisy: its bootstrap spread is ~1.7 points over 256 of them and ~1.1 over 512 (all
-    # the default eval split holds), against a 2 % limit (docs/performance.md).
+    # The drop is noisy; 512 keeps its spread well inside the limit (docs/performance.md,
+    # "The text gate's noise").
     sequences: int = Field(512, ge=1)
+    """Held-out prompts continued by both (the drop's noise shrinks with more)."""
     prompt_tokens: int = Field(16, ge=1)
+    """Tokens of each prompt."""
     new_tokens: int = Field(32, ge=1)
+    """Tokens each continuation generates."""
     limits: dict[Precision, TextLimits] = {
         "fp32": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "fp16": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "int8": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "int4": TextLimits(max_rouge_l_drop_pct=5.0, max_bleu_drop_pct=5.0),
     }
+    """Limits per precision."""
 
 
 class LatencyGateParams(_Section):
     prompt_tokens: int = Field(32, ge=1)
+    """Prompt tokens of the timed generation."""
     new_tokens: int = Field(32, ge=1)
+    """New tokens of the timed generation."""
     warmup: int = Field(2, ge=0)
+    """Untimed generations first."""
     runs: int = Field(10, ge=2)
-    max_p95_ms: float = Field(500.0, gt=0)  # the default model takes ~10 ms; this catches a broken build
+    """Timed generations."""
+    max_p95_ms: float = Field(500.0, gt=0)
+    """Most the p95 of a generation may take, in milliseconds (catches a broken build)."""
 
 
 class ServingScenario(_Section):
@@ -320,69 +395,90 @@ class ServingScenario(_Section):
     `prompt_tokens` + `new_tokens`; the budgets are p95 / p99 limits in milliseconds."""
 
     name: str = Field(pattern=r"^[a-z0-9_]+$")
+    """The scenario's name in reports and tags."""
     clients: int = Field(ge=1, le=256)
-    requests: int = Field(ge=1)  # per client
+    """Concurrent clients."""
+    requests: int = Field(ge=1)
+    """Requests each client sends, back to back."""
     prompt_tokens: int = Field(32, ge=1)
+    """Prompt tokens per request."""
     new_tokens: int = Field(32, ge=1)
+    """New tokens per request."""
     max_ttft_p95_ms: float = Field(gt=0)
+    """Budget for the p95 time to first token, in milliseconds."""
     max_tpot_p95_ms: float = Field(gt=0)
+    """Budget for the p95 time per output token, in milliseconds."""
     max_request_p99_ms: float = Field(gt=0)
+    """Budget for the p99 of whole requests, in milliseconds (also the latency alert's threshold)."""
 
 
 class ServingGateParams(_Section):
-    # The default model answers a lone 32+32 request in ~10 ms and 16 at once in ~70 ms on 2
-    # cores: like the latency gate's, these budgets catch a broken engine or scheduler.
+    # Like the latency gate's, these budgets catch a broken engine or scheduler, not a slow CPU.
     scenarios: list[ServingScenario] = [
         ServingScenario(name="single", clients=1, requests=8, max_ttft_p95_ms=100, max_tpot_p95_ms=20, max_request_p99_ms=500),
         ServingScenario(name="concurrent", clients=16, requests=2, max_ttft_p95_ms=1000, max_tpot_p95_ms=50, max_request_p99_ms=2000),
     ]
+    """The load scenarios run through the server's scheduler, each with its budgets."""
 
 
 class ChampionGateParams(_Section):
     """How much worse than the engine being served (`champion`) a new engine may be, each
     measured on this run's data in this run; in percent."""
 
-    max_nll_increase_pct: float = Field(1.0, ge=0)  # NLL per character on the eval split
-    max_rouge_l_drop_pct: float = Field(2.0, ge=0)  # the text gate's ROUGE-L against held-out text
-    max_p50_increase_pct: float = Field(25.0, ge=0)  # the latency gate's generation, timed turn by turn
+    max_nll_increase_pct: float = Field(1.0, ge=0)
+    """Most the new engine's NLL per character on the eval split may exceed the champion's, in percent."""
+    max_rouge_l_drop_pct: float = Field(2.0, ge=0)
+    """Most its text gate ROUGE-L may fall below the champion's, in percent."""
+    max_p50_increase_pct: float = Field(25.0, ge=0)
+    """Most its median generation latency may exceed the champion's, in percent."""
 
 
 class GateParams(_Section):
     quality: QualityGateParams = QualityGateParams()
+    """Next-token agreement and perplexity against the PyTorch model."""
     text: TextGateParams = TextGateParams()
+    """ROUGE-L and BLEU of generated text against held-out text."""
     latency: LatencyGateParams = LatencyGateParams()
+    """Generation latency as kiln serve runs the engine."""
     serving: ServingGateParams = ServingGateParams()
+    """Latency through the server's scheduler under load."""
     champion: ChampionGateParams = ChampionGateParams()
+    """The new engine against the one being served."""
 
 
 # ---------------------------------------------------------------- registry / sample
 
 
 class RegistryParams(_Section):
-    # None: an embedded SQLite store and local artifacts under mlruns/ in the project.
     tracking_uri: str | None = None
+    """The MLflow tracking server or database; null: an embedded SQLite store under `mlruns/`."""
     model_name: str = Field("kiln-gpt2", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    """The registered model's name in MLflow."""
     experiment: str = "kiln"
-    # The private key engines are signed with, outside the project and the registry; None:
-    # $KILN_SIGNING_KEY, else ~/.config/kiln/signing-key.pem (`kiln keys init` makes it).
+    """The MLflow experiment runs are logged to."""
     signing_key: str | None = None
-    # Public keys (PEM files, relative to the project) whose signatures are accepted; more
-    # than one while keys rotate. With trust_own_key, also the signing key's own public half.
+    """The private key engines are signed with (outside the project); null: `$KILN_SIGNING_KEY`, else `~/.config/kiln/signing-key.pem`."""
     trusted_keys: list[str] = []
+    """Public keys (PEM, relative to the project) whose signatures are accepted; list two while keys rotate."""
     trust_own_key: bool = True
-    # False only to migrate: unsigned versions then load with a warning; signed ones are
-    # still verified.
+    """Also accept signatures of this machine's own signing key."""
     require_signature: bool = True
+    """Refuse unsigned versions; false only while migrating a store (they then load with a warning)."""
 
 
 class SampleParams(_Section):
     """The completion `kiln run` prints from the registered engine (seeded: reproducible)."""
 
     prompt: str = "The list type"
+    """The prompt of the completion `kiln run` prints from the registered challenger."""
     max_tokens: int = Field(40, ge=1)
+    """Tokens it generates."""
     temperature: float = Field(0.8, ge=0, allow_inf_nan=False)
+    """Its sampling temperature (0: greedy)."""
     top_p: float = Field(0.95, gt=0, le=1)
+    """Its nucleus sampling mass."""
     seed: int = Field(0, ge=0)
+    """Its seed (the sample is reproducible)."""
 
 
 class ServingParams(_Section):
@@ -391,21 +487,31 @@ class ServingParams(_Section):
     KILN_WEBHOOK_SECRET."""
 
     alias: str = Field("champion", pattern=r"^[A-Za-z0-9_\-]+$")
+    """The alias `kiln serve` serves and follows."""
     host: str = "127.0.0.1"
+    """The address it binds."""
     port: int = Field(8000, ge=1, le=65535)
-    poll_interval_s: float = Field(10.0, ge=0)  # 0: follow the alias through webhooks only
-    max_tokens: int = Field(256, ge=1)  # per request; the engine's profile may allow fewer
-    max_waiting: int = Field(64, ge=1)  # queued sequences beyond the running batch; then 503
+    """The port it listens on."""
+    poll_interval_s: float = Field(10.0, ge=0)
+    """How often it re-reads the alias, in seconds; 0: only when a webhook arrives."""
+    max_tokens: int = Field(256, ge=1)
+    """Most tokens a request may generate (the engine's context may allow fewer)."""
+    max_waiting: int = Field(64, ge=1)
+    """Sequences that may wait beyond the running batch; more are answered 503 with Retry-After."""
     max_body_bytes: int = Field(1 << 20, ge=1024)
-    keep_versions: int = Field(3, ge=1)  # pulled versions kept in .kiln/serving
+    """Largest request body; larger is 413."""
+    keep_versions: int = Field(3, ge=1)
+    """Pulled versions kept in the serving cache (`.kiln/serving`)."""
     webhook_max_age_s: float = Field(300.0, gt=0)
-    # ONNX Runtime intra-op threads; None: all cores. One is the default because the HTTP
-    # side needs a core too: on 2 cores, 16 clients got 7.1k tokens/s with 1, 4.6k-5.8k with 2.
+    """Webhook deliveries older than this are refused (replays)."""
+    # One by default: the HTTP side needs a core too (docs/performance.md, "Measured choices
+    # behind the defaults").
     threads: int | None = Field(1, ge=1)
-    max_n: int = Field(8, ge=1)  # choices a prompt (OpenAI's `n`); each is a sequence in the batch
-    # A jinja chat template for versions whose model has none (one that has its own renders
-    # with that, as it was built); None: /v1/chat/completions answers those with 400.
+    """ONNX Runtime intra-op threads of the engine process; null: all cores (the HTTP side needs one too)."""
+    max_n: int = Field(8, ge=1)
+    """Most choices per prompt (OpenAI's `n`)."""
     chat_template: str | None = None
+    """A jinja chat template for versions whose model has none; null: chat completions answer those with 400."""
 
 
 PROMETHEUS_DURATION = r"^[0-9]+(ms|s|m|h|d)$"  # one unit: what a rule's `for` and a scrape interval take
@@ -416,25 +522,34 @@ class MonitoringParams(_Section):
     budget (gates.serving's) stays broken before its alert fires, and Prometheus's
     scrape and rule-evaluation interval."""
 
-    latency_alert_after: str = Field("10m", pattern=PROMETHEUS_DURATION)  # e.g. 30s, 10m, 1h
+    latency_alert_after: str = Field("10m", pattern=PROMETHEUS_DURATION)
+    """How long a latency budget stays broken before its alert fires (a Prometheus duration)."""
     scrape_interval: str = Field("5s", pattern=PROMETHEUS_DURATION)
+    """Prometheus's scrape and rule-evaluation interval (`kiln up --monitoring`)."""
 
 
 class TriggerParams(_Section):
     """`kiln deploy`: what starts a retrain-and-rebuild by itself, and how triggers that
     arrive while one runs are treated."""
 
-    schedule: str | None = None  # cron, e.g. "0 3 * * *" (daily at 03:00); null: no schedule
+    schedule: str | None = None
+    """A cron schedule for rebuilds (e.g. `0 3 * * *`); null: none."""
     timezone: str = "UTC"
-    on_data_change: bool = True  # `kiln data add`, and data.dvc moved behind kiln's back
-    on_promotion: bool = True  # an alias set in MLflow → the verify-promotion flow
+    """The schedule's IANA time zone."""
+    on_data_change: bool = True
+    """Rebuild when the data changes (`kiln data add`, or data.dvc moved)."""
+    on_promotion: bool = True
+    """Verify a version when an alias is set in MLflow (verify-promotion)."""
     verify_aliases: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]+$")]] = ["champion"]
-    data_poll_interval_s: float = Field(10.0, ge=0)  # how often data.dvc is compared; 0: never
-    # One rebuild runs at a time. "queue-one": a trigger during a run queues one more (later
-    # triggers join it: it will see their data); "drop": triggers during a run are dropped.
+    """The aliases whose moves start verify-promotion."""
+    data_poll_interval_s: float = Field(10.0, ge=0)
+    """How often data.dvc is compared with the last run's data version, in seconds; 0: never."""
     overlap: Literal["queue-one", "drop"] = "queue-one"
-    webhook_host: str = "127.0.0.1"  # where `kiln deploy` receives MLflow's alias webhooks
+    """Triggers during a rebuild: `queue-one` queues one more run (later triggers join it), `drop` drops them."""
+    webhook_host: str = "127.0.0.1"
+    """Where `kiln deploy` receives MLflow's alias webhooks."""
     webhook_port: int = Field(8100, ge=1, le=65535)
+    """Its port."""
 
     @field_validator("timezone")
     @classmethod
@@ -460,7 +575,9 @@ class BuildTarget(_Section):
     """What one kind of machine builds: its backend and precisions (a row of the build matrix)."""
 
     backend: Literal["onnxruntime", "tensorrt", "torch-cuda"] = "onnxruntime"
+    """The backend this kind of machine builds with."""
     precisions: list[Precision] = Field(min_length=1)
+    """The precisions it builds."""
 
 
 class PoolParams(_Section):
@@ -469,9 +586,11 @@ class PoolParams(_Section):
     an MLflow server (PostgreSQL store, shared artifacts): docs/automation.md, "Beyond one machine"."""
 
     name: str = Field("kiln", pattern=r"^[A-Za-z0-9_\-]+$")
+    """The Prefect work pool's name."""
     targets: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9\-]*$")], BuildTarget] = Field(
         default_factory=lambda: {"cpu": BuildTarget(precisions=["fp32", "int8"])}, min_length=1
     )
+    """The build matrix: one `kiln worker TARGET` per kind of machine."""
 
     @field_validator("targets")
     @classmethod
@@ -486,18 +605,31 @@ CONTROL_QUEUE = "control"  # the work queue of rebuild, request-rebuild and veri
 
 class Params(_Section):
     data: DataParams = DataParams()
+    """The corpus and its versioned splits."""
     model: ModelParams = ModelParams()
+    """The model: trained from scratch or pretrained."""
     export: ExportParams = ExportParams()
+    """The ONNX export."""
     calibration: CalibrationParams = CalibrationParams()
+    """The curated int8 calibration set."""
     precision: PrecisionParams = PrecisionParams()
+    """The precisions built and how."""
     build: BuildParams = BuildParams()
+    """The engine build: backend and shapes."""
     gates: GateParams = GateParams()
+    """What an engine must pass before it may be aliased."""
     registry: RegistryParams = RegistryParams()
+    """The MLflow registry and engine signing."""
     sample: SampleParams = SampleParams()
+    """The sample completion a run prints."""
     serving: ServingParams = ServingParams()
+    """`kiln serve`."""
     triggers: TriggerParams = TriggerParams()
+    """`kiln deploy`: what starts a rebuild by itself."""
     pool: PoolParams = PoolParams()
+    """`kiln deploy --pool`: builds spread over machines."""
     monitoring: MonitoringParams = MonitoringParams()
+    """The alerting rules and `kiln up --monitoring`'s Prometheus."""
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> Params:
