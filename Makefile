@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test mutants clean
+.PHONY: run test docs mutants clean
 
 run: $(STAMP)
 	$(VENV)/bin/kiln keys init --if-missing
@@ -14,6 +14,11 @@ run: $(STAMP)
 # longest files go first (tests/conftest.py), not the ones with the most tests.
 test: $(STAMP)
 	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
+
+# The documentation site on http://127.0.0.1:8000, rebuilt on every change; its reference
+# pages are generated from the code (docs/hooks/reference.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # uv installs the pinned stack in well under a minute where pip takes over 3 (it downloads
 # and unpacks in parallel). It compiles the bytecode at install, as pip does: where

@@ -90,12 +90,22 @@ class GpuCollector(Collector):
             return None
         return cls(pynvml)
 
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily("kiln_gpu_utilization_ratio", "GPU busy fraction over NVML's last sample period.", labels=["gpu"]),
+            GaugeMetricFamily("kiln_gpu_memory_used_bytes", "GPU memory in use, every process.", labels=["gpu"]),
+            GaugeMetricFamily("kiln_gpu_memory_total_bytes", "GPU memory.", labels=["gpu"]),
+            GaugeMetricFamily("kiln_gpu_engine_process_memory_used_bytes", "GPU memory the engine process holds.", labels=["gpu"]),
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The families without samples (the registry's name check; the metrics reference)."""
+        yield from self._families()
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         nvml, pid = self._nvml, self.engine_pid()
-        utilisation = GaugeMetricFamily("kiln_gpu_utilization_ratio", "GPU busy fraction over NVML's last sample period.", labels=["gpu"])
-        used = GaugeMetricFamily("kiln_gpu_memory_used_bytes", "GPU memory in use, every process.", labels=["gpu"])
-        total = GaugeMetricFamily("kiln_gpu_memory_total_bytes", "GPU memory.", labels=["gpu"])
-        engine = GaugeMetricFamily("kiln_gpu_engine_process_memory_used_bytes", "GPU memory the engine process holds.", labels=["gpu"])
+        utilisation, used, total, engine = self._families()
         for index in range(nvml.nvmlDeviceGetCount()):
             gpu, handle = str(index), nvml.nvmlDeviceGetHandleByIndex(index)
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
