@@ -18,6 +18,7 @@ test: $(STAMP)
 # The documentation site on http://127.0.0.1:8000, rebuilt on every change; its reference
 # pages are generated from the code (docs/hooks/reference.py).
 docs: $(STAMP)
+	$(VENV)/bin/python docs/hooks/reference.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # uv installs the pinned stack in well under a minute where pip takes over 3 (it downloads

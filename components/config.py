@@ -226,7 +226,7 @@ class KeepFloatParams(_Section):
     attention_scores: bool = True
     """Keep the activation × activation MatMuls (Q·Kᵀ, attention·V) float."""
     # Its input, silu(gate)·up, has outliers one int8 scale clips; measured: docs/performance.md,
-    # "Measured choices behind the defaults".
+    # "Measured choices in the code".
     swiglu_down: bool = True
     """Keep a SwiGLU MLP's down projection float (its input's outliers clip under one int8 scale)."""
 
@@ -241,7 +241,7 @@ class Int8Params(_Section):
     per_channel: bool = True
     """One weight scale per output channel rather than per tensor."""
     # AVX2-only CPUs sum int8 products pairwise in int16 (VPMADDUBSW), which saturates on
-    # full-range weights; measured: docs/performance.md, "Measured choices behind the defaults".
+    # full-range weights; measured: docs/performance.md, "Measured choices in the code".
     reduce_range: bool = True
     """7-bit weights (±64), so CPUs without VNNI cannot saturate their int16 sums: the same logits on every x86 CPU."""
     keep_float: KeepFloatParams = KeepFloatParams()
@@ -260,7 +260,7 @@ class Int4Params(_Section):
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
     """MatMulNBits' arithmetic: 4 quantizes activations to int8 per block (int8 kernels, VNNI where present); 0 dequantizes the weights to float."""
     # The tied LM head is GPT-2's largest matrix; measured: docs/performance.md, "Measured
-    # choices behind the defaults".
+    # choices in the code".
     lm_head_bits: Literal[4, 8] | None = 8
     """Bits of the LM head's blocks (8 keeps its logits close); null: float."""
 
@@ -505,7 +505,7 @@ class ServingParams(_Section):
     webhook_max_age_s: float = Field(300.0, gt=0)
     """Webhook deliveries older than this are refused (replays)."""
     # One by default: the HTTP side needs a core too (docs/performance.md, "Measured choices
-    # behind the defaults").
+    # in the code").
     threads: int | None = Field(1, ge=1)
     """ONNX Runtime intra-op threads of the engine process; null: all cores (the HTTP side needs one too)."""
     max_n: int = Field(8, ge=1)

@@ -34,13 +34,11 @@ from components.runtime.tokenizer import EngineTokenizer
 from serving.text import TextStream
 
 # A row that finishes in a turn that also admits a waiting sequence leaves its cache as a
-# free slot, and the newcomer is written into it in place: each leaving and each joining
-# row copied the whole batch's cache before (13 % of the engine's time under 16 clients
-# that resubmit at once, benchmarks/serving_ceiling.py). Slots nobody takes in the turn
-# are compacted away at its end: a free slot would cost its share of every decode step
-# (kept for up to 8 turns, waiting for the next request of a client behind HTTP, it made
-# `kiln bench serving` slower). The columns a reused slot leaves unattended on the left
-# are dropped once there are this many.
+# free slot the newcomer is written into in place (no copy of the whole batch's cache);
+# slots nobody takes in the turn are compacted away at its end, since a free slot costs its
+# share of every decode step (measured: docs/performance.md, "Measured choices in the
+# code"). The columns a reused slot leaves unattended on the left are dropped once there
+# are this many.
 COMPACT_SLACK = 16
 
 # Where the host samples, a stream that has run alone for LONE_AFTER_S takes several steps a

@@ -31,16 +31,31 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert "kiln keys sign-existing" in (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
 
 
-def test_a_broken_link_fails_the_strict_build(tmp_path):
-    """What the check above is worth: the same build with one page linking nowhere fails."""
+def build_a_changed_copy(tmp_path: Path, change) -> subprocess.CompletedProcess:
+    """The site built --strict from a copy of docs/ that `change(docs)` edited."""
     docs = tmp_path / "docs"
     subprocess.run(["cp", "-r", str(ROOT / "docs"), str(docs)], check=True)
-    (docs / "concepts.md").write_text((docs / "concepts.md").read_text() + "\n[gone](no-such-page.md)\n")
+    change(docs)
     config = (ROOT / "mkdocs.yml").read_text().replace("docs_dir: docs", f"docs_dir: {docs}").replace("  - docs/hooks/reference.py", f"  - {docs}/hooks/reference.py")
     (tmp_path / "mkdocs.yml").write_text(config)
-    built = subprocess.run([MKDOCS, "build", "--strict", "-d", str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                           env=os.environ | {"NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
+    return subprocess.run([MKDOCS, "build", "--strict", "-d", str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
+
+
+def test_a_broken_link_fails_the_strict_build(tmp_path):
+    """What the check above is worth: the same build with one page linking nowhere fails."""
+    built = build_a_changed_copy(tmp_path, lambda docs: (docs / "concepts.md").write_text((docs / "concepts.md").read_text() + "\n[gone](no-such-page.md)\n"))
     assert built.returncode != 0 and "no-such-page.md" in built.stderr
+
+
+def test_a_stale_reference_page_fails_the_build_naming_the_command_that_remakes_it(tmp_path):
+    def stale(docs: Path) -> None:
+        page = docs / "reference" / "params.md"
+        page.write_text(page.read_text().replace("| `serving.max_waiting` | int | `64` |", "| `serving.max_waiting` | int | `32` |"))
+
+    built = build_a_changed_copy(tmp_path, stale)
+    assert built.returncode != 0 and "stale reference pages docs/reference/params.md" in built.stderr
+    assert "python docs/hooks/reference.py" in built.stderr
 
 
 def test_every_cli_verb_has_its_section_in_the_cli_reference(reference):
@@ -106,3 +121,11 @@ def test_every_metric_kiln_serve_exports_is_in_the_metrics_reference(reference):
     page = reference["reference/metrics.md"]
     missing = [name for name in exported if not any(f"`{name.removesuffix(s)}" in page for s in ("_bucket", "_sum", "_count", "_created", ""))]
     assert not missing, missing
+
+
+def test_every_relative_link_of_the_readme_names_a_file_of_the_repository():
+    import re
+
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if "://" not in link]
+    assert len(relative) > 15 and not [link for link in relative if not (ROOT / link).exists()]

@@ -8,14 +8,10 @@ from components.engine_dir import EngineDir
 from components.errors import EngineError
 from components.runtime.engine import Engine
 
-# ORT can fuse a quantized MatMul + Add into a float Gemm with no int8 kernel, dequantizing
-# the weights on every step (slower than fp32). kiln's GPT-2 export emits Gemm for linear
-# layers, so there it changes nothing measurable (kiln bench: 903 vs 878 ms); it guards
-# graphs that do carry MatMul + Add (Qwen2's biased q/k/v, other exporters).
-# Common-subexpression elimination merges the Q/DQ pair each reader of an activation was
-# given (components.precision) back into one shared pair, which ORT then cannot fuse into
-# an int8 MatMul: a Llama's q/k/v and gate/up ran as float MatMuls over weights
-# dequantized every step (10 of its 15 weight MatMuls; int8 2.5x slower than fp32).
+# Both rewrites turn int8 MatMuls back into float ones over weights dequantized every step:
+# MatMulAddFusion makes a float Gemm of a quantized MatMul + Add, and common-subexpression
+# elimination merges the Q/DQ pairs components.precision gives each reader of an activation
+# (measured: docs/performance.md, "Measured choices in the code").
 QDQ_DISABLED_OPTIMIZERS = ["MatMulAddFusion", "CommonSubexpressionElimination"]
 
 
