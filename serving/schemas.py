@@ -22,27 +22,38 @@ Stops = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
     include_usage: bool = False
+    """A last chunk carries the usage (prompt and completion tokens)."""
 
 
 class _SamplingRequest(BaseModel):
     """What completions and chat completions share: the model, how to sample, when to stop."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
     model: str
+    """The served model's name (`GET /v1/models`); another name is 404."""
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    """Sampling temperature; 0 is greedy."""
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens holding this much probability."""
     stop: Stops = None
+    """Up to 4 strings; the text ends before the first that appears."""
     seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # numpy's generators take no negative seed
+    """Makes sampling reproducible, whatever batch the request joins."""
     stream: bool = False
+    """Answer server-sent events as tokens arrive, ending with `data: [DONE]`."""
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1  # choices per prompt (the server's serving.max_n caps it)
-    user: str | None = None  # accepted and ignored, as OpenAI's servers do for routing
+    """With stream: `include_usage` adds a last chunk with the usage."""
+    n: Annotated[int, Field(ge=1)] = 1
+    """Independent choices per prompt (at most serving.max_n)."""
+    user: str | None = None
+    """Accepted and ignored, as OpenAI's servers do."""
 
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes (benchmarks)
+    ignore_eos: bool = False
+    """vLLM's extension: generate max_tokens whatever comes (benchmarks)."""
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -54,11 +65,14 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    # Text, texts, or (as OpenAI's API allows) token ids: one list, or a list of lists.
     prompt: NonEmptyText | TextList | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=0)] = 16  # 0 only with echo: the prompt scored, nothing generated
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the chosen token's and this many alternatives'
-    echo: bool = False  # the prompt comes back before the completion (with its logprobs when asked)
+    """Text, a list of texts, or (as OpenAI's API allows) token ids: one list, or a list of lists."""
+    max_tokens: Annotated[int, Field(ge=0)] = 16
+    """Tokens to generate; 0 only with echo (the prompt scored, nothing generated)."""
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    """The chosen token's log probability and this many alternatives', per token."""
+    echo: bool = False
+    """The prompt comes back before the completion (with its log probabilities when asked)."""
 
     @field_validator("prompt")
     @classmethod
@@ -89,10 +103,11 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
     role: Literal["system", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(min_length=1)]
+    """Text, or a list of text parts (joined by newlines)."""
     name: str | None = None
 
     def for_template(self) -> dict[str, str]:
@@ -104,10 +119,15 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(gt=0)] | None = None  # the older name of max_completion_tokens
-    max_completion_tokens: Annotated[int, Field(gt=0)] | None = None  # None: up to the server's limit and the context's
+    """The conversation, rendered with the served version's chat template."""
+    max_tokens: Annotated[int, Field(gt=0)] | None = None
+    """The older name of max_completion_tokens."""
+    max_completion_tokens: Annotated[int, Field(gt=0)] | None = None
+    """Tokens to generate; null: what serving.max_tokens and the context leave."""
     logprobs: bool = False
+    """Each generated token's log probability."""
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """With logprobs: this many alternatives per token."""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
