@@ -77,17 +77,8 @@ def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
     }
     command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", tracking_uri,
                "--default-artifact-root", str(artifact_root), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
-    log_path = artifact_root.parent / f"mlflow-server-{port}.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: answers(f"{url}/health") or process.poll() is not None, 180, "mlflow server answering /health", log_path)
-        assert process.poll() is None, f"mlflow server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
+    with server_process("mlflow server", command, artifact_root.parent / f"mlflow-server-{port}.log", f"http://127.0.0.1:{port}", "/health", 180, env) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 @contextmanager
@@ -97,13 +88,19 @@ def prometheus(root: Path, params, serve_port: int) -> Iterator[str]:
     from flows.monitoring import prometheus_command
 
     port = free_port()
-    log_path = root / f"prometheus-{port}.log"
+    with server_process("prometheus", prometheus_command(root, params, port, serve_port), root / f"prometheus-{port}.log", f"http://127.0.0.1:{port}", "/-/ready", 60) as url:
+        yield url
+
+
+@contextmanager
+def server_process(name: str, command: list[str], log_path: Path, url: str, ready_path: str, timeout_s: float, env: dict | None = None) -> Iterator[str]:
+    """A server started as a process of its own (output in `log_path`), yielding `url` once
+    `ready_path` answers 200; a failed start reports the log's tail. Terminated at the end."""
     with log_path.open("w") as log:
-        process = subprocess.Popen(prometheus_command(root, params, port, serve_port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: answers(f"{url}/-/ready") or process.poll() is not None, 60, "Prometheus answering /-/ready", log_path)
-        assert process.poll() is None, f"prometheus exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
+        wait_for(lambda: answers(f"{url}{ready_path}") or process.poll() is not None, timeout_s, f"{name} answering {ready_path}", log_path)
+        assert process.poll() is None, f"{name} exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
         yield url
     finally:
         process.terminate()
