@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test docs mutants clean
+.PHONY: run test docs triton-env mutants clean
 
 run: $(STAMP)
 	$(VENV)/bin/kiln keys init --if-missing
@@ -38,6 +38,18 @@ $(STAMP): requirements.txt pyproject.toml
 	$(UV) --no-deps -e .
 	touch $@
 
+# The Triton environment: the real tritonserver that PyPI's nvidia-pytriton bundles, with
+# kiln's runtime for its Python backend (`kiln export triton`, tests/test_triton.py).
+TRITON_VENV ?= .triton-venv
+triton-env: $(TRITON_VENV)/.installed
+
+$(TRITON_VENV)/.installed: requirements-triton.txt pyproject.toml
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install --quiet uv==0.13.9
+	$(TRITON_VENV)/bin/uv pip install --quiet --compile-bytecode --python $(TRITON_VENV)/bin/python $(addprefix --find-links ,$(FIND_LINKS)) -r requirements-triton.txt
+	$(TRITON_VENV)/bin/uv pip install --quiet --compile-bytecode --python $(TRITON_VENV)/bin/python --no-deps -e .
+	touch $@
+
 # Mutation testing (not part of `make test`: it runs the fast tests once per mutant, which
 # takes a long time); the stages' outputs are cached across those runs in .kiln/test-cache.
 mutants: $(STAMP)
@@ -46,4 +58,4 @@ mutants: $(STAMP)
 	$(VENV)/bin/mutmut results
 
 clean:
-	rm -rf .kiln mlruns mutants
+	rm -rf .kiln mlruns mutants $(TRITON_VENV)

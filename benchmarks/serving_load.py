@@ -222,7 +222,11 @@ def _free_port() -> int:
 def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSetup) -> ServingRow:
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     prompts = bench_prompts(vocab, setup)
-    samples, elapsed = asyncio.run(_drive(url, model, prompts, setup))
+    samples, elapsed = asyncio.run(_drive(url, prompts, setup, lambda client, prompt: _one(client, model, prompt, setup)))
+    return _row(samples, elapsed, mode, label)
+
+
+def _row(samples: list[_Sample], elapsed: float, mode: str, label: str) -> ServingRow:
     ok = [s for s in samples if s.ok]
     if not ok:
         raise KilnError(f"every request to the {mode} server failed")
@@ -236,12 +240,13 @@ def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSet
     )  # fmt: skip
 
 
-async def _drive(url: str, model: str, prompts: list[list[int]], setup: ServingBenchSetup) -> tuple[list[_Sample], float]:
+async def _drive(url: str, prompts: list, setup: ServingBenchSetup, one) -> tuple[list[_Sample], float]:
+    """`setup.clients` clients sending `one(client, prompt)` back to back for `setup.seconds`."""
     # A connection per request, for every server alike: llama-server says keep-alive yet
     # closes after each stream, and a reused socket it closed failed half its requests.
     connector = aiohttp.TCPConnector(limit=setup.clients, force_close=True)
     async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
-        await asyncio.gather(*(_one(client, model, prompts[i % len(prompts)], setup) for i in range(setup.clients)))  # warm-up
+        await asyncio.gather(*(one(client, prompts[i % len(prompts)]) for i in range(setup.clients)))  # warm-up
         samples: list[_Sample] = []
         started = time.perf_counter()
         deadline = started + setup.seconds
@@ -249,7 +254,7 @@ async def _drive(url: str, model: str, prompts: list[list[int]], setup: ServingB
         async def client_loop(index: int) -> None:
             sent = 0
             while time.perf_counter() < deadline and len(samples) < setup.max_requests:
-                samples.append(await _one(client, model, prompts[(index + sent * setup.clients) % len(prompts)], setup))
+                samples.append(await one(client, prompts[(index + sent * setup.clients) % len(prompts)]))
                 sent += 1
 
         await asyncio.gather(*(client_loop(i) for i in range(setup.clients)))
@@ -274,6 +279,50 @@ async def _one(client: aiohttp.ClientSession, model: str, prompt: list[int], set
     except (aiohttp.ClientError, TimeoutError):
         return _Sample(time.perf_counter() - started, 0.0, 0, False)
     return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, tokens, tokens == setup.new_tokens)
+
+
+def triton_rounds(urls: list[str], tokenizer_dir: Path, vocab: int, setup: ServingBenchSetup, on_row=lambda row: None) -> list[ServingRow]:
+    """One row per Triton server and round: the model its repository serves (`kiln export
+    triton`), driven through Triton's generate_stream by the same clients, with the same
+    prompts as text (Triton's generate takes text: the token ids decoded by the engine's
+    tokenizer, which re-encodes them to about as many tokens)."""
+    from components.runtime.tokenizer import EngineTokenizer
+
+    tokenizer = EngineTokenizer(tokenizer_dir)
+    texts = [tokenizer.decode(ids) for ids in bench_prompts(vocab, setup)]
+    rows = []
+    for _ in range(setup.rounds):
+        for url in urls:
+            model = _triton_model(url.rstrip("/"))
+            samples, elapsed = asyncio.run(_drive(url.rstrip("/"), texts, setup, lambda client, text, m=model: _one_triton(client, m, text, setup)))
+            rows.append(_row(samples, elapsed, AS_SERVED, f"triton {url}"))
+            on_row(rows[-1])
+    return rows
+
+
+def _triton_model(url: str) -> str:
+    ready = [m["name"] for m in httpx.post(f"{url}/v2/repository/index", json={"ready": True}).json()]
+    if len(set(ready)) != 1:
+        raise KilnError(f"the Triton server at {url} serves {sorted(set(ready)) or 'no model'}; the benchmark drives one")
+    return ready[0]
+
+
+async def _one_triton(client: aiohttp.ClientSession, model: str, text: str, setup: ServingBenchSetup) -> _Sample:
+    body = {"text_input": text, "max_tokens": setup.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    first, tail = None, b""
+    try:
+        async with client.post(f"/v2/models/{model}/generate_stream", json=body) as response:
+            if response.status != 200:
+                await response.read()
+                return _Sample(time.perf_counter() - started, 0.0, 0, False)
+            async for piece in response.content.iter_any():
+                first = first or time.perf_counter()
+                tail = (tail + piece)[-4096:]
+    except (aiohttp.ClientError, TimeoutError):
+        return _Sample(time.perf_counter() - started, 0.0, 0, False)
+    finished = b'"finish_reason":"length"' in tail  # with ignore_eos, every token asked for was generated
+    return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, setup.new_tokens if finished else 0, finished)
 
 
 def _completion_tokens(tail: bytes) -> int:

@@ -325,6 +325,7 @@ def bench_serving(
     rounds: Annotated[int, typer.Option(min=1, max=20, help="both modes once per round, interleaved; rows are medians")] = 1,
     url: Annotated[list[str] | None, typer.Option(help="also drive this running OpenAI-compatible server (llama-server, vLLM, ...; repeatable)")] = None,
     vocab: Annotated[int | None, typer.Option(min=2, help="prompt token ids are drawn below this (default: the engine's vocabulary)")] = None,
+    triton: Annotated[list[str] | None, typer.Option(help="also drive this running Triton server's model (kiln export triton's) through generate_stream")] = None,
 ) -> None:
     """The server under concurrent clients: continuous batching vs one request at a time,
     beside the engine's own generate; with --url, other servers driven by the same clients."""
@@ -339,6 +340,11 @@ def bench_serving(
         every_round = bs.serving_rounds(engines, setup, params_file.resolve(), on_row=done)
         if url:
             every_round += bs.url_rounds(url, _prompt_vocab(vocab, engines), setup, on_row=done)
+        if triton:
+            tokenizer_dir = next(iter(engines.values()), None)
+            if tokenizer_dir is None:
+                raise KilnError("--triton needs the engine's tokenizer: drop --url-only mode or give --engine DIR")
+            every_round += bs.triton_rounds(triton, tokenizer_dir, _prompt_vocab(vocab, engines), setup, on_row=done)
     rows = bs.median_rows(every_round)
     render.serving_rows(rows, setup, every_round)
     if json_path is not None:
@@ -490,6 +496,32 @@ def data_add(
             render.note(f"{err}; `kiln deploy` notices the new data.dvc when it runs")
             return
         render.console.print(f"announced kiln.data.changed (event {event})")
+
+
+export_app = typer.Typer(add_completion=False, no_args_is_help=True, help="A registered version for another server.")
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("triton")
+def export_triton(
+    repository: Annotated[Path, typer.Argument(help="the Triton model repository to write into (made if absent)")],
+    params_file: ParamsOption = Path("params.yaml"),
+    alias: Annotated[str | None, typer.Option(help="the alias whose version to export (default: serving.alias, champion)")] = None,
+    version: Annotated[str | None, typer.Option(help="a version number instead of an alias")] = None,
+    instances: Annotated[int, typer.Option(min=1, help="model instances Triton runs (each holds the engine)")] = 1,
+) -> None:
+    """Write a version as a Triton model repository (<model>/config.pbtxt, <model>/<version>/
+    with model.py and the engine), pulled with every check kiln serve makes."""
+    from flows.triton_export import export_version
+    from registry import get_version, resolve_alias
+
+    with _one_line_errors():
+        params = _load(params_file)
+        target = _registry(params_file)
+        info = get_version(target, version) if version else resolve_alias(target, alias or params.serving.alias)
+        exported = export_version(target, info, repository, params.serving.threads, params.serving.max_waiting, instances)
+        render.console.print(f"wrote {exported.path} ({exported.model} version {exported.version}); the model folder holds versions {', '.join(exported.versions)}")
+        render.console.print(f"serve it: tritonserver --model-repository={repository}   (here: make triton-env, then .triton-venv/bin/python -m flows.triton_server --model-repository={repository})")
 
 
 keys_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The keys engines are signed with and verified against.")
