@@ -343,7 +343,7 @@ def bench_serving(
         if triton:
             tokenizer_dir = next(iter(engines.values()), None)
             if tokenizer_dir is None:
-                raise KilnError("--triton needs the engine's tokenizer: drop --url-only mode or give --engine DIR")
+                raise KilnError("--triton beside --url needs --engine DIR: its tokenizer turns the prompts into the text Triton takes")
             every_round += bs.triton_rounds(triton, tokenizer_dir, _prompt_vocab(vocab, engines), setup, on_row=done)
     rows = bs.median_rows(every_round)
     render.serving_rows(rows, setup, every_round)
