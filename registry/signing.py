@@ -37,9 +37,12 @@ def fingerprint(public_pem: bytes) -> str:
 
 
 def public_pem_of(private_key: Path) -> bytes:
+    return _public_pem(_load_private(private_key))
+
+
+def _public_pem(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    key = _load_private(private_key)
     return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
@@ -58,7 +61,7 @@ def create_key(private_key: Path) -> Path:
     with os.fdopen(descriptor, "wb") as out:
         out.write(pem)
     public = private_key.with_suffix(".pub")
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    public.write_bytes(_public_pem(key))
     return public
 
 
@@ -112,10 +115,10 @@ def sign(directory: Path, private_key: Path, signature: Path) -> str:
     """Sign every file under `directory` into `signature` (outside it); returns the key's fingerprint."""
     import model_signing
 
-    _load_private(private_key)  # the clear errors: missing, readable by others, not EC
+    key = _load_private(private_key)  # the clear errors: missing, readable by others, not EC
     hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE], ignore_git_paths=False)
     model_signing.signing.Config().set_hashing_config(hashing).use_elliptic_key_signer(private_key=private_key).sign(directory, signature)
-    return fingerprint(public_pem_of(private_key))
+    return fingerprint(_public_pem(key))
 
 
 def sign_into(directory: Path, private_key: Path) -> str:

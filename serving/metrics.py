@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from registry.tags import GATES_PASSED, PRECISION
+from serving.series import DECODED_ROWS, GENERATED_TOKENS, PROMPT_TOKENS, QUEUE_DEPTH, RUNNING_BATCH
 
 # Request times on a 2-core CPU run from milliseconds (one token) to seconds (a long stream).
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -35,14 +36,14 @@ class ServerMetrics:
         self.time_per_output_token = Histogram(
             "kiln_time_per_output_token_seconds", "Mean gap between a request's tokens after the first.", registry=r, buckets=_TOKEN_BUCKETS
         )
-        self.generated_tokens = Counter("kiln_generated_tokens_total", "Tokens generated for clients.", registry=r)
-        self.prompt_tokens = Counter("kiln_prompt_tokens_total", "Prompt tokens prefilled.", registry=r)
+        self.generated_tokens = Counter(*GENERATED_TOKENS, registry=r)
+        self.prompt_tokens = Counter(*PROMPT_TOKENS, registry=r)
         self.requests = Counter("kiln_requests_total", "Completion requests by outcome.", ["outcome"], registry=r)
-        self.queue_depth = Gauge("kiln_queue_depth", "Sequences waiting for a batch slot.", registry=r)
-        self.running_batch = Gauge("kiln_running_batch_size", "Sequences in the running batch.", registry=r)
+        self.queue_depth = Gauge(*QUEUE_DEPTH, registry=r)
+        self.running_batch = Gauge(*RUNNING_BATCH, registry=r)
         # Batching at work: decoded rows over decode steps is the mean batch a step served.
         self.decode_steps = Counter("kiln_decode_steps_total", "Decode steps run (one per turn with a running batch).", registry=r)
-        self.decoded_rows = Counter("kiln_decoded_rows_total", "Sequence rows advanced by decode steps.", registry=r)
+        self.decoded_rows = Counter(*DECODED_ROWS, registry=r)
         self.engine_load = Histogram(
             "kiln_engine_load_seconds", "Pull, verify, load and warm-up of an engine.", registry=r, buckets=_REQUEST_BUCKETS
         )

@@ -24,6 +24,7 @@ from components.runtime import open_engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from registry import tags
+from serving.series import DECODED_ROWS, GENERATED_TOKENS, PROMPT_TOKENS, QUEUE_DEPTH, RUNNING_BATCH
 from serving.scheduler import Delta, Failed, Finished, Scheduler, Sequence
 
 ENGINE_DIR = "engine"  # beside model.py in the version's folder
@@ -71,21 +72,29 @@ class TritonPythonModel:
         prompt = self.tokenizer.encode_prompt(text.decode() if isinstance(text, bytes) else str(text))
         if not prompt:
             raise ValueError("text_input encodes to no tokens")
-        stream = bool(_input(request, "stream") or False)
+        given = {name: value for name in ("max_tokens", "temperature", "top_p", "seed", "stream", "ignore_eos") if (value := _input(request, name)) is not None}
+        stream = bool(given.get("stream", False))
         sampling = Sampling(
-            max_new_tokens=int(_or(_input(request, "max_tokens"), DEFAULTS["max_tokens"])),
-            temperature=float(_or(_input(request, "temperature"), DEFAULTS["temperature"])),
-            top_p=float(_or(_input(request, "top_p"), DEFAULTS["top_p"])),
-            seed=None if _input(request, "seed") is None else int(_input(request, "seed")),
-            stop_at_eos=not bool(_input(request, "ignore_eos") or False),  # vLLM's extension (benchmarks)
+            max_new_tokens=int(given.get("max_tokens", DEFAULTS["max_tokens"])),
+            temperature=float(given.get("temperature", DEFAULTS["temperature"])),
+            top_p=float(given.get("top_p", DEFAULTS["top_p"])),
+            seed=int(given["seed"]) if "seed" in given else None,
+            stop_at_eos=not bool(given.get("ignore_eos", False)),  # vLLM's extension (benchmarks)
         )
         sequence = Sequence(prompt, sampling, lambda event: self._answer(sender, sequence, event, stream), stream=stream)
         return sequence
 
     def _answer(self, sender, sequence: Sequence, event, stream: bool) -> None:
-        if isinstance(event, Finished):
+        """Called on the scheduler's thread: a stream's new text as it comes; the whole text
+        (or the finish) once the sequence ends."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if isinstance(event, Delta) and event.text:
+            sender.send(_text_response(event.text, None))
+        elif isinstance(event, Finished):
             self.metrics.finished(event)
-        _answer(sender, sequence, event, stream)
+            sender.send(_text_response("" if stream else sequence.text, event.reason), flags=final)
+        elif isinstance(event, Failed):
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(event.message)), flags=final)
 
 
 class _KilnMetrics:
@@ -99,11 +108,9 @@ class _KilnMetrics:
             self._families.append(pb_utils.MetricFamily(name=name, description=help_, kind=kind))
             return self._families[-1].Metric(labels=labels)
 
-        self._running = family("kiln_running_batch_size", "Sequences in the running batch.", pb_utils.MetricFamily.GAUGE)
-        self._waiting = family("kiln_queue_depth", "Sequences waiting for a batch slot.", pb_utils.MetricFamily.GAUGE)
-        self._rows = family("kiln_decoded_rows_total", "Sequence rows advanced by decode steps.", pb_utils.MetricFamily.COUNTER)
-        self._generated = family("kiln_generated_tokens_total", "Tokens generated for clients.", pb_utils.MetricFamily.COUNTER)
-        self._prompt = family("kiln_prompt_tokens_total", "Prompt tokens prefilled.", pb_utils.MetricFamily.COUNTER)
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        self._running, self._waiting = family(*RUNNING_BATCH, gauge), family(*QUEUE_DEPTH, gauge)
+        self._rows, self._generated, self._prompt = family(*DECODED_ROWS, counter), family(*GENERATED_TOKENS, counter), family(*PROMPT_TOKENS, counter)
 
     def observe(self, running: int, waiting: int, decoded: int) -> None:
         """Each turn of the scheduler."""
@@ -123,21 +130,6 @@ class _KilnMetrics:
             self._families = None
 
 
-def _answer(sender, sequence: Sequence, event, stream: bool) -> None:
-    """Called on the scheduler's thread: a stream's new text as it comes; the whole text (or
-    the finish) once the sequence ends."""
-    final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-    if isinstance(event, Delta) and event.text:
-        sender.send(_text_response(event.text, None))
-    elif isinstance(event, Finished):
-        if stream:
-            sender.send(_text_response("", event.reason), flags=final)
-        else:
-            sender.send(_text_response(sequence.text, event.reason), flags=final)
-    elif isinstance(event, Failed):
-        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(event.message)), flags=final)
-
-
 def _text_response(text: str, finish_reason: str | None):
     outputs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
     if finish_reason is not None:
@@ -149,6 +141,3 @@ def _input(request, name: str):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
 
-
-def _or(value, default):
-    return default if value is None else value
