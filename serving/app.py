@@ -209,11 +209,9 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
 
 def _documentation(app: FastAPI, settings: ServerSettings) -> None:
     """`GET /openapi.json` and a Swagger UI at `GET /docs`, behind the API key where one is set."""
-    from importlib.metadata import version
+    from serving.openapi import docs_page, documented_schema, kiln_version
 
-    from serving.openapi import docs_page, documented_schema
-
-    schema = documented_schema(app, version("kiln"))
+    schema = documented_schema(app, kiln_version())
     app.openapi = lambda: schema
 
     @app.get("/openapi.json", include_in_schema=False)

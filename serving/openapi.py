@@ -7,6 +7,9 @@ they are added here from the same pydantic models the handlers use."""
 from __future__ import annotations
 
 import json
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -24,6 +27,15 @@ BODIES: dict[tuple[str, str], tuple[type[BaseModel] | None, type[BaseModel]]] = 
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletion),
     ("/v1/models", "get"): (None, ModelList),
 }
+
+
+def kiln_version() -> str:
+    """kiln's version: its installed metadata, or a checkout's pyproject.toml where kiln runs
+    from the source tree without being installed (as on the lent GPU machine)."""
+    try:
+        return version("kiln")
+    except PackageNotFoundError:
+        return tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
 
 
 def documented_schema(app: FastAPI, version: str) -> dict:

@@ -901,6 +901,21 @@ def test_the_openapi_schema_describes_the_bodies_the_completion_routes_parse(ser
     assert "/openapi.json" not in schema["paths"] and "/docs" not in schema["paths"]
 
 
+def test_the_schema_names_kilns_version_even_where_kiln_runs_from_a_checkout_it_was_not_installed_from(monkeypatch):
+    """The lent GPU machine runs kiln serve from the source tree: the server must start there."""
+    import importlib.metadata
+    import tomllib
+
+    from serving import openapi
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(openapi, "version", not_installed)
+    project = tomllib.loads((Path(openapi.__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert openapi.kiln_version() == project["version"]
+
+
 # ---------------------------------------------------------------- metrics
 
 
