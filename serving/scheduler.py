@@ -405,7 +405,7 @@ class Scheduler:
             self._compact()
 
     def _compact(self) -> None:
-        keep = [row for row, r in enumerate(self._running) if r is not None]
+        keep = _holes_filled_from_the_tail(self._running)
         self._running = [self._running[row] for row in keep]
         self._next = self._next[keep]
         state = self._state.rows(keep)  # frees the dropped rows' cache (an engine's device slots too)
@@ -420,6 +420,15 @@ class Scheduler:
             self._state.rows([])  # gives the cache back (an engine's device slots)
         self._running, self._state, self._next = [], None, np.zeros(0, np.int64)
         self._live, self._free = 0, set()
+
+
+def _holes_filled_from_the_tail(running: list[_Held | None]) -> list[int]:
+    """The surviving rows, each hole among the first ones taken by a survivor from the end:
+    a device cache (the torch-cuda engine's slots) then moves one slot per hole, not every
+    slot after it (measured on the H200: ~1 ms of slot moves per finished request at 16)."""
+    survivors = sum(r is not None for r in running)
+    tail = [row for row in range(survivors, len(running)) if running[row] is not None]
+    return [row if running[row] is not None else tail.pop() for row in range(survivors)]
 
 
 def _prompt_logprobs(logits: np.ndarray, prompt: list[int], top: int) -> list[TokenLogprob | None]:

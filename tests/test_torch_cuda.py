@@ -228,6 +228,30 @@ def test_step_by_step_decoding_gives_the_tokens_of_generate(cpu_engine, engine_d
     assert greedy_step_by_step(cpu_engine, prompts, 20) == cpu_engine.generate(prompts, Sampling(max_new_tokens=20, stop_at_eos=False))
 
 
+def test_a_sequence_moved_into_a_freed_slot_keeps_its_cache(cpu_engine, engine_dir):
+    """A sequence that leaves frees its slot, and a later one moves into it (kiln serve
+    compacts the batch that way): the moved sequence's next logits are those it has alone."""
+    from components.runtime.engine import left_pad
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    prompts = [tokenizer.encode(t) for t in ("The list type is", "A function is defined as the", "When the value of")]
+
+    def after_steps(rows: list[list[int]], leave_after: int | None) -> np.ndarray:
+        ids, mask = left_pad(rows, cpu_engine.manifest.eos_token_id)
+        logits, state = cpu_engine.prefill(ids, mask)
+        tokens = logits[:, -1].argmax(-1)
+        for step in range(6):
+            if step == leave_after:
+                state, tokens = state.rows([0, 2]), tokens[[0, 2]]  # the middle one leaves
+            logits, state = cpu_engine.decode(state, tokens)
+            tokens = logits.argmax(-1)
+        state.rows([])
+        return logits[-1]
+
+    moved, alone = after_steps(prompts, leave_after=3), after_steps(prompts[2:], leave_after=None)
+    np.testing.assert_allclose(moved, alone, atol=1e-4, rtol=0)
+
+
 def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_its_own_sampling(cpu_engine_dir, engine, engine_dir):
     """kiln serve's continuous batching on a torch-cuda engine: more requests than slots,
     joining and leaving between steps (unequal lengths), greedy and sampled ones together.

@@ -228,13 +228,15 @@ class TorchCudaEngine(Engine):
         if self._held:
             raise EngineError(f"{self._held} step-wise sequences hold the cache's slots; {what} runs when none does")
 
-    def _keep(self, slots: list[int]) -> list[int]:
-        """Keep only `slots` (held ones, in order), moved down to 0..n-1; the rest are free."""
+    def _keep(self, slots: list[int], lengths: list[int]) -> list[int]:
+        """Keep only `slots` (held ones, in order, holding `lengths` tokens), moved to
+        0..n-1; the rest are free. A move copies the positions the slot holds, not its
+        whole context."""
         self.runner.drop_queued()
-        for new, old in enumerate(slots):
+        for new, (old, used) in enumerate(zip(slots, lengths, strict=True)):
             if new != old:
-                self.runner.k_cache[:, new].copy_(self.runner.k_cache[:, old])
-                self.runner.v_cache[:, new].copy_(self.runner.v_cache[:, old])
+                self.runner.k_cache[:, new, :, :used].copy_(self.runner.k_cache[:, old, :, :used])
+                self.runner.v_cache[:, new, :, :used].copy_(self.runner.v_cache[:, old, :, :used])
         self._held = len(slots)
         return list(range(len(slots)))
 
@@ -315,4 +317,5 @@ class SlotState:
 
     def rows(self, keep: list[int]) -> SlotState:
         """Only the rows `keep`; the others' slots are freed (later slots move down)."""
-        return SlotState(self.engine, self.engine._keep([self.slots[i] for i in keep]), self.lengths[keep])
+        lengths = self.lengths[keep]
+        return SlotState(self.engine, self.engine._keep([self.slots[i] for i in keep], lengths.tolist()), lengths)
