@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "4"  # 4: the layout records the family, KV heads and parameter count
+STAGE_VERSION = "5"  # 5: attention exported as transformers' eager matmuls, not SDPA
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def kv_layout_of(model) -> KVLayout:
 
 def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -> ExportedOnnx:
     """Export with a KV cache (dynamic batch, sequence and past length) and check parity."""
-    torch_model = _attending_to_the_whole_context(load_model(model.path))
+    torch_model = _with_matmul_attention(_attending_to_the_whole_context(load_model(model.path)))
     layout = kv_layout_of(torch_model)
     build = lambda staging: _export(torch_model, layout, params.opset, staging / ONNX_FILE)  # noqa: E731
     target = stage_output(out_root / f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{model.sha256[:12]}", ONNX_FILE, build)
@@ -126,6 +126,15 @@ def _attending_to_the_whole_context(model):
     mask is a graph that ONNX Runtime's symbolic shape inference cannot follow."""
     if shape_of(model.config.to_dict()).sliding_window is not None:
         model.config.sliding_window = None
+    return model
+
+
+def _with_matmul_attention(model):
+    """transformers' eager attention (matmul, additive mask, softmax, matmul) instead of SDPA:
+    exported, SDPA's decomposition transposes every step's whole key cache through reshapes
+    ONNX Runtime cannot fold into its matmul, and rebuilds a boolean mask with a NaN guard;
+    eager's K^T folds into a FusedMatMul (GPT-2-small int8 at batch 1: 7.54 -> 6.46 ms a token)."""
+    model.set_attn_implementation("eager")
     return model
 
 
