@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -337,14 +338,15 @@ def bench_serving(
     done = lambda row: render.console.print(f"  {row.engine}: {row.name} done ({row.tokens_per_s:,.0f} tokens/s)")  # noqa: E731
     with _one_line_errors():
         engines = {} if url and not (engine or gpt2_small) else _serving_bench_engines(root, params_file, engine or [], gpt2_small)
-        every_round = bs.serving_rounds(engines, setup, params_file.resolve(), on_row=done)
-        if url:
-            every_round += bs.url_rounds(url, _prompt_vocab(vocab, engines), setup, on_row=done)
-        if triton:
-            tokenizer_dir = next(iter(engines.values()), None)
-            if tokenizer_dir is None:
-                raise KilnError("--triton beside --url needs --engine DIR: its tokenizer turns the prompts into the text Triton takes")
-            every_round += bs.triton_rounds(triton, tokenizer_dir, _prompt_vocab(vocab, engines), setup, on_row=done)
+        tokenizer_dir = next(iter(engines.values()), None)
+        if triton and tokenizer_dir is None:
+            raise KilnError("--triton beside --url needs --engine DIR: its tokenizer turns the prompts into the text Triton takes")
+        peers_vocab = _prompt_vocab(vocab, engines) if url or triton else 0
+        one, every_round = replace(setup, rounds=1), []
+        for _ in range(setup.rounds):  # every server once a round: a shared machine's slow spell falls on all of them
+            every_round += bs.serving_rounds(engines, one, params_file.resolve(), on_row=done)
+            every_round += bs.url_rounds(url or [], peers_vocab, one, on_row=done)
+            every_round += bs.triton_rounds(triton or [], tokenizer_dir, peers_vocab, one, on_row=done) if triton else []
     rows = bs.median_rows(every_round)
     render.serving_rows(rows, setup, every_round)
     if json_path is not None:
