@@ -20,26 +20,21 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.gpu_static_kv.serving_steps import engine_path
+from benchmarks.gpu_static_kv.serving_steps import engine_path, timed_engine
 
 
-def timed_engine(engine, names: tuple[str, ...]) -> tuple[dict[str, float], dict[str, int]]:
-    """Wrap the engine's methods `names` with host timers (seconds) and call counters."""
-    spent: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
-    for name in names:
-        original = getattr(engine, name)
+def median_generate_ms(engine, prompt: list[int], new_tokens: int, runs: int = 10) -> float:
+    """The engine's own `generate` of one prompt at batch 1, after one untimed run."""
+    from components.runtime.sampling import Sampling
 
-        def wrapper(*a, _original=original, _name=name, **k):
-            start = time.perf_counter()
-            try:
-                return _original(*a, **k)
-            finally:
-                spent[_name] += time.perf_counter() - start
-                calls[_name] += 1
-
-        setattr(engine, name, wrapper)
-    return spent, calls
+    sampling = Sampling(max_new_tokens=new_tokens, stop_at_eos=False)
+    engine.generate([prompt], sampling)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        engine.generate([prompt], sampling)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
 
 
 def closed_loop(scheduler, prompts: list[list[int]], new_tokens: int, seconds: float, round_trip_s: float) -> dict:
@@ -172,22 +167,9 @@ def main() -> None:
         engine.generate([[0]], Sampling(max_new_tokens=2, stop_at_eos=False))
         prompts = random_prompts(16, 32, engine.manifest.vocab_size, 0)
         if shape in args.prefill_shapes:
-            one = Sampling(max_new_tokens=1, stop_at_eos=False)
-            engine.generate(prompts[:1], one)
-            times = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                engine.generate(prompts[:1], one)
-                times.append((time.perf_counter() - t0) * 1000)
-            whole = Sampling(max_new_tokens=128, stop_at_eos=False)
-            engine.generate(prompts[:1], whole)
-            times128 = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                engine.generate(prompts[:1], whole)
-                times128.append((time.perf_counter() - t0) * 1000)
+            generations = {n: median_generate_ms(engine, prompts[0], n) for n in (1, 128)}
             graphs = prefill_costs(engine) if engine.runner.use_graphs and args.prefill_ab else {}
-            report[f"{shape}_prefill"] = {"generate_32_plus_1_ms": statistics.median(times), "generate_32_plus_128_ms": statistics.median(times128)} | graphs
+            report[f"{shape}_prefill"] = {f"generate_32_plus_{n}_ms": ms for n, ms in generations.items()} | graphs
             print(shape, json.dumps(report[f"{shape}_prefill"]), flush=True)
         if shape in args.shapes:
             engine.prepare_to_serve()

@@ -45,6 +45,25 @@ def engine_path(work: Path, shape: str) -> Path:
     return torch_engine_from_model(model_dir, "fp32", lineage, profiles, work / shape / "engines", device="cpu").path
 
 
+def timed_engine(engine, names: tuple[str, ...]) -> tuple[dict[str, float], dict[str, int]]:
+    """Wrap the engine's methods `names` with host timers (seconds) and call counters."""
+    spent: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for name in names:
+        original = getattr(engine, name)
+
+        def wrapper(*a, _original=original, _name=name, **k):
+            start = time.perf_counter()
+            try:
+                return _original(*a, **k)
+            finally:
+                spent[_name] += time.perf_counter() - start
+                calls[_name] += 1
+
+        setattr(engine, name, wrapper)
+    return spent, calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench-work", type=Path, default=Path("/tmp/kiln-bench"))
@@ -68,18 +87,7 @@ def main() -> None:
     print(f"prepare_to_serve: {time.perf_counter() - start:.2f} s", flush=True)
     greedy = Sampling(max_new_tokens=128, stop_at_eos=False)
     prompts = random_prompts(16, 32, engine.manifest.vocab_size, 0)
-    spent: dict[str, float] = defaultdict(float)
-    for name in ("prefill", "decode_turn", "pick"):  # host time inside the engine's calls
-        original = getattr(engine, name)
-
-        def timed(*a, _original=original, _name=name, **k):
-            start = time.perf_counter()
-            try:
-                return _original(*a, **k)
-            finally:
-                spent[_name] += time.perf_counter() - start
-
-        setattr(engine, name, timed)
+    spent, _ = timed_engine(engine, ("prefill", "decode_turn", "pick"))  # host time inside the engine's calls
     scheduler = Scheduler(engine, EngineTokenizer(path), max_waiting=64)
 
     def through_generate(batch: int) -> tuple[float, list[list[int]]]:
