@@ -95,7 +95,7 @@ def int4_weight_only_onnx(source: Path, params: Int4Params, output: Path) -> Non
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     prepared = output.with_name("prepared.onnx")
-    quant_pre_process(str(source), str(prepared), skip_optimization=False)
+    quant_pre_process(str(source), str(prepared), skip_optimization=False, auto_merge=True)
     model = onnx_lib.load(str(prepared))
     prepared.unlink()
     _gemms_as_matmuls(model)
@@ -225,8 +225,9 @@ def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8P
     # Symbolic shape inference first, or ops whose shapes ORT cannot infer stay uncalibrated;
     # and constant folding (ORT's basic level: standard ONNX ops only), so a weight reached
     # through a Transpose (the tied lm_head) becomes an initializer that is quantized once,
-    # per channel, instead of being re-quantized as an activation on every step.
-    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False)
+    # per channel, instead of being re-quantized as an activation on every step. auto_merge:
+    # the mask's key axis (the input's total_sequence) is the cache's past + sequence.
+    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False, auto_merge=True)
     model = onnx_lib.load(str(prepared))
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
     feeds = CalibrationFeeds(onnx, calibration)
