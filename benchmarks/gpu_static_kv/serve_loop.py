@@ -4,7 +4,8 @@ as its last one finishes, optionally after a simulated round trip), beside the e
 `generate` of the same work at the same batch, interleaved. The host time inside each engine
 call (prefill, decode turns, picking the first token, slot moves) and their counts, so what is
 not decoding shows up. Then the cost of one admission's prefill graph, through the exported
-program as served today and through the same program compiled by Inductor.
+program's own kernels and through the runner's Inductor-compiled prefill core (as served
+since run 14; run 14's own figures compiled a static-shape copy).
 
 On the device: python3 -m benchmarks.gpu_static_kv.serve_loop --out "$OUT" (builds the fp16
 engines of `kiln bench --device cuda` in /tmp/kiln-bench when absent).
@@ -104,17 +105,15 @@ def serve_profile(engine, scheduler, spent, calls, prompts, args) -> dict:
 
 
 def prefill_costs(engine, replays: int = 50) -> dict:
-    """One admission's prefill graph (P = 32) at 1 and 16 rows: the exported program as served,
-    and compiled by Inductor; ms per replay."""
+    """One admission's prefill graph (P = 32) at 1 and 16 rows: the exported program's aten
+    kernels, and the runner's own prefill core (compiled by Inductor, as served); ms per replay."""
     import torch
 
     from components.runtime.static_kv import captured, causal_bias
 
     runner = engine.runner
     out = {}
-    start = time.perf_counter()
-    compiled = torch.compile(runner.model, fullgraph=True, dynamic=False)
-    for name, model in (("exported", runner.model), ("compiled", compiled)):
+    for name, model in (("exported", runner.model), ("compiled", runner.prefill_core)):
         for width in (1, 16):
             P = 32
             ids = torch.zeros(width, P, dtype=torch.long, device=runner.device)
@@ -125,8 +124,6 @@ def prefill_costs(engine, replays: int = 50) -> dict:
                 model(ids, pos, causal_bias(pos, runner.key_range[:P], runner.dtype), last, runner.k_cache, runner.v_cache)
 
             graph = captured(body)
-            if name == "compiled" and width == 1:
-                out["compile_s"] = time.perf_counter() - start
             times = []
             for _ in range(5):
                 torch.cuda.synchronize()
