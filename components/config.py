@@ -228,24 +228,46 @@ class KeepFloatParams(_Section):
     # Its input, silu(gate)·up, has outliers one int8 scale clips; measured: docs/performance.md,
     # "Measured choices in the code".
     swiglu_down: bool = True
-    """Keep a SwiGLU MLP's down projection float (its input's outliers clip under one int8 scale)."""
+    """qdq: keep a SwiGLU MLP's down projection float (its input's outliers clip under one int8 scale; blocks have a scale per block)."""
+
+
+def _power_of_two(block_size: int) -> int:
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two (MatMulNBits' blocks), not {block_size}")
+    return block_size
 
 
 class Int8Params(_Section):
+    # ONNX Runtime runs 8-bit weight blocks faster than Q/DQ's QGemm (no Q/DQ glue in a
+    # decode step; a scale per 64 weights reads little more than the weights), and closer to
+    # the model; TensorRT builds Q/DQ. Measured: docs/performance.md, "Measured choices in the code".
+    scheme: Literal["auto", "blocks", "qdq"] = "auto"
+    """blocks: 8-bit weight blocks with int8 activations per block (ONNX Runtime's MatMulNBits; nothing calibrated), ONNX Runtime only; qdq: Q/DQ nodes with calibrated activations, what TensorRT builds; auto: the engine's backend's (blocks on ONNX Runtime)."""
+    block_size: int = Field(64, ge=16, le=256)
+    """blocks: weights per scale along the input dimension (a power of two)."""
     # The linear layers hold the weights (and the time); quantizing residual Adds, embedding
     # Gathers or reshapes costs quality and buys no int8 kernel.
     op_types: list[str] = ["MatMul", "Gemm"]
-    """Operator types quantized (the linear layers, which hold the weights and the time)."""
+    """qdq: operator types quantized (the linear layers, which hold the weights and the time)."""
     calibration_method: Literal["minmax", "entropy", "percentile"] = "percentile"
-    """How activation ranges are chosen from the calibration feeds: `minmax`, `entropy` or `percentile`."""
+    """qdq: how activation ranges are chosen from the calibration feeds: `minmax`, `entropy` or `percentile`."""
     per_channel: bool = True
-    """One weight scale per output channel rather than per tensor."""
+    """qdq: one weight scale per output channel rather than per tensor."""
     # AVX2-only CPUs sum int8 products pairwise in int16 (VPMADDUBSW), which saturates on
     # full-range weights; measured: docs/performance.md, "Measured choices in the code".
+    # (ONNX Runtime's AVX2 kernel for 8-bit blocks puts one product in each int16 lane.)
     reduce_range: bool = True
-    """7-bit weights (±64), so CPUs without VNNI cannot saturate their int16 sums: the same logits on every x86 CPU."""
+    """qdq: 7-bit weights (±64), so CPUs without VNNI cannot saturate their int16 sums: the same logits on every x86 CPU."""
     keep_float: KeepFloatParams = KeepFloatParams()
-    """Nodes left in float."""
+    """Nodes left in float (blocks: the linear layers it names)."""
+
+    _block_size_is_a_power_of_two = field_validator("block_size")(_power_of_two)
+
+    def scheme_for(self, backend: str) -> Literal["blocks", "qdq"]:
+        """The int8 form an engine of `backend` is built from."""
+        if self.scheme != "auto":
+            return self.scheme
+        return "blocks" if backend == "onnxruntime" else "qdq"
 
 
 class Int4Params(_Section):
@@ -264,12 +286,7 @@ class Int4Params(_Section):
     lm_head_bits: Literal[4, 8] | None = 8
     """Bits of the LM head's blocks (8 keeps its logits close); null: float."""
 
-    @field_validator("block_size")
-    @classmethod
-    def _power_of_two(cls, block_size: int) -> int:
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two (MatMulNBits' blocks), not {block_size}")
-        return block_size
+    _block_size_is_a_power_of_two = field_validator("block_size")(_power_of_two)
 
 
 class Fp16Params(_Section):
@@ -283,11 +300,19 @@ class PrecisionParams(_Section):
     build: list[Precision] = Field(default_factory=lambda: ["fp32", "int8"], min_length=1)
     """The precisions each run builds, gates and registers."""
     int8: Int8Params = Int8Params()
-    """int8 static Q/DQ quantization."""
+    """int8: 8-bit weight blocks (ONNX Runtime) or static Q/DQ quantization (TensorRT)."""
     int4: Int4Params = Int4Params()
     """int4 weight-only block quantization (ONNX Runtime only)."""
     fp16: Fp16Params = Fp16Params()
     """fp16 conversion."""
+
+    def for_backend(self, backend: str) -> PrecisionParams:
+        """These settings with int8's scheme resolved for an engine of `backend`."""
+        return self.model_copy(update={"int8": self.int8.model_copy(update={"scheme": self.int8.scheme_for(backend)})})
+
+    def calibrates(self, backend: str) -> bool:
+        """Whether an int8 engine of `backend` needs the calibration set (Q/DQ does)."""
+        return "int8" in self.build and self.int8.scheme_for(backend) == "qdq"
 
 
 class CalibrationParams(_Section):
@@ -651,9 +676,10 @@ class Params(_Section):
             other = [p for p in precisions if p not in TORCH_CUDA_PRECISIONS]
             if backend == "torch-cuda" and other:
                 raise ValueError(f"{backend_key} torch-cuda builds {' and '.join(TORCH_CUDA_PRECISIONS)}; {precisions_key} has {', '.join(other)} (auto builds {', '.join(other)} on ONNX Runtime)")
-            ort_only = [p for p in precisions if p in ORT_ONLY_PRECISIONS]
+            ort_only = [p for p in precisions if p in ORT_ONLY_PRECISIONS or (p == "int8" and self.precision.int8.scheme == "blocks")]
             if backend == "tensorrt" and ort_only:
-                raise ValueError(f"{backend_key} tensorrt cannot build {', '.join(ort_only)} ({precisions_key}): those engines run ONNX Runtime's MatMulNBits (auto builds them on ONNX Runtime)")
+                qdq = "; TensorRT builds int8 from Q/DQ: precision.int8.scheme qdq or auto" if "int8" in ort_only else ""
+                raise ValueError(f"{backend_key} tensorrt cannot build {', '.join(ort_only)} ({precisions_key}): those engines run ONNX Runtime's MatMulNBits (auto builds them on ONNX Runtime){qdq}")
         return self
 
     def digest(self) -> str:

@@ -1,8 +1,10 @@
 """The precision stage: the exported fp32 ONNX → the ONNX that carries its precision.
 
 TensorRT 11 builds strongly typed networks, so precision lives in the graph: Q/DQ nodes
-(symmetric, zero point 0) for int8, fp16 tensors for fp16. ONNX Runtime runs the same
-graph on the CPU, so its quality is measured here even where TensorRT is not installed.
+(symmetric, zero point 0) for its int8, fp16 tensors for fp16. ONNX Runtime runs the same
+graphs on the CPU, so their quality is measured here even where TensorRT is not installed.
+ONNX Runtime's own int8 and int4 engines are weight blocks (MatMulNBits), which it runs
+faster than Q/DQ and TensorRT cannot build (`precision.int8.scheme`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from components.progress import stage_progress
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "6"  # 6: fp16 keeps RMSNorm and the rotary angles in fp32; int8 a Q/DQ pair per reader, SwiGLU down float
+STAGE_VERSION = "7"  # 6: fp16 keeps RMSNorm and the rotary angles in fp32, int8 a Q/DQ pair per reader; 7: int8 blocks
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class PrecisionOnnx:
     precision: str
     fp32_sha256: str
     calibration_digest: str | None = None
+    ort_only: bool = False  # of ONNX Runtime's own operators (MatMulNBits): int4, int8 blocks
 
     @property
     def content_digest(self) -> str:
@@ -54,17 +57,23 @@ class PrecisionOnnx:
 def precision_onnx(
     onnx: ExportedOnnx, precision: str, calibration: CalibrationSet | None, params: PrecisionParams, out_root: Path
 ) -> PrecisionOnnx:
+    """int8's `auto` scheme is taken as ONNX Runtime's (blocks): the pipeline resolves it for
+    the engine's backend first (`PrecisionParams.for_backend`)."""
     if precision == "fp32":
         return PrecisionOnnx(onnx=onnx, precision="fp32", fp32_sha256=onnx.sha256)
-    if precision == "int8" and calibration is None:
-        raise BuildError("an int8 graph needs a calibration set")
+    params = params.for_backend("onnxruntime") if params.int8.scheme == "auto" else params
+    calibrated = precision == "int8" and params.int8.scheme == "qdq"
+    if calibrated and calibration is None:
+        raise BuildError("an int8 Q/DQ graph needs a calibration set")
     settings = {"int8": params.int8, "int4": params.int4, "fp16": params.fp16}[precision]
-    salt = calibration.digest[:12] if precision == "int8" else "nocal"
+    salt = calibration.digest[:12] if calibrated else "nocal"
     target = out_root / f"{precision}-v{STAGE_VERSION}-{section_digest(settings)[:10]}-{salt}-{onnx.sha256[:12]}"
 
     def build(staging: Path) -> None:
-        if precision == "int8":
+        if calibrated:
             int8_qdq_onnx(onnx, calibration, params.int8, staging / ONNX_FILE)
+        elif precision == "int8":
+            int8_blocks_onnx(onnx.path, params.int8, staging / ONNX_FILE)
         elif precision == "int4":
             int4_weight_only_onnx(onnx.path, params.int4, staging / ONNX_FILE)
         else:
@@ -76,7 +85,8 @@ def precision_onnx(
         onnx=converted,
         precision=precision,
         fp32_sha256=onnx.sha256,
-        calibration_digest=calibration.digest if precision == "int8" else None,
+        calibration_digest=calibration.digest if calibrated else None,
+        ort_only=precision == "int4" or (precision == "int8" and not calibrated),
     )
 
 
@@ -86,9 +96,27 @@ def precision_onnx(
 def int4_weight_only_onnx(source: Path, params: Int4Params, output: Path) -> None:
     """Every linear layer with a constant weight as MatMulNBits (4-bit blocks, one scale per
     `block_size` weights along the input), the LM head with `lm_head_bits`; everything else
-    as it was. The graph is constant-folded first, as for int8: a tied LM head's weight (a
-    Transpose of the embedding) becomes an initializer that can be quantized; left float it
-    was the largest read of a decode step (GPT-2-small: 154 MB of 243)."""
+    as it was."""
+    blocks = _Blocks(params.block_size, params.symmetric, params.accuracy_level)
+    _weight_blocks_onnx(source, output, lambda model: blocks.apply(model, 4, exclude=_lm_head_nodes(model)), blocks, params.lm_head_bits)
+
+
+def int8_blocks_onnx(source: Path, params: Int8Params, output: Path) -> None:
+    """Every linear layer with a constant weight, the LM head included, as MatMulNBits with
+    8-bit symmetric blocks and int8 activations per block (`scheme: blocks`); the nodes
+    `keep_float` names stay float. Nothing is calibrated: each block's scale is its own.
+    A SwiGLU down projection is quantized too: what kept it float under Q/DQ, its input's
+    outliers under one scale per tensor, is gone with a scale per block."""
+    blocks = _Blocks(params.block_size, symmetric=True, accuracy_level=4)
+    per_block = params.model_copy(update={"keep_float": params.keep_float.model_copy(update={"swiglu_down": False})})
+    _weight_blocks_onnx(source, output, lambda model: blocks.apply(model, 8, exclude=nodes_kept_float(model, per_block)), blocks, None)
+
+
+def _weight_blocks_onnx(source: Path, output: Path, quantize: Callable, blocks: _Blocks, lm_head_bits: int | None) -> None:
+    """The graph constant-folded first, as for Q/DQ: a tied LM head's weight (a Transpose of
+    the embedding) becomes an initializer that can be quantized; left float it was the
+    largest read of a decode step (GPT-2-small: 154 MB of 243). Then `quantize`, and the LM
+    head with `lm_head_bits` where it was left out."""
     import logging
 
     import onnx as onnx_lib
@@ -101,22 +129,28 @@ def int4_weight_only_onnx(source: Path, params: Int4Params, output: Path) -> Non
     _gemms_as_matmuls(model)
     heads = _lm_head_nodes(model)
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node otherwise
-    model = _blocks(model, params, bits=4, exclude=heads)
-    if params.lm_head_bits is not None and heads:
-        model = _blocks(model, params, bits=params.lm_head_bits, include=heads)
+    model = quantize(model)
+    if lm_head_bits is not None and heads:
+        model = blocks.apply(model, lm_head_bits, include=heads)
     onnx_lib.save(model, str(output))
 
 
-def _blocks(model, params: Int4Params, bits: int, exclude: list[str] | None = None, include: list[str] | None = None):
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+@dataclass(frozen=True)
+class _Blocks:
+    """ONNX Runtime's MatMulNBits quantizer with one block setting."""
 
-    config = DefaultWeightOnlyQuantConfig(block_size=params.block_size, is_symmetric=params.symmetric, accuracy_level=params.accuracy_level, bits=bits)
-    quantizer = MatMulNBitsQuantizer(
-        model, bits=bits, block_size=params.block_size, is_symmetric=params.symmetric, accuracy_level=params.accuracy_level,
-        nodes_to_exclude=exclude, nodes_to_include=include, algo_config=config,
-    )  # fmt: skip
-    quantizer.process()
-    return quantizer.model.model
+    block_size: int
+    symmetric: bool
+    accuracy_level: int
+
+    def apply(self, model, bits: int, exclude: list[str] | None = None, include: list[str] | None = None):
+        from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+        settings = {"block_size": self.block_size, "is_symmetric": self.symmetric, "accuracy_level": self.accuracy_level, "bits": bits}
+        config = DefaultWeightOnlyQuantConfig(**settings)
+        quantizer = MatMulNBitsQuantizer(model, **settings, nodes_to_exclude=exclude, nodes_to_include=include, algo_config=config)
+        quantizer.process()
+        return quantizer.model.model
 
 
 def _lm_head_nodes(model) -> list[str]:

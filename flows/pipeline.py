@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from components.build import engine_from_onnx
+from components.build import engine_from_onnx, resolve_backend
 from components.calibrate import CalibrationSet, calibration_set_from_pool
 from components.champion_gate import Contender, champion_gate
 from components.config import GateParams, Params, SampleParams
@@ -170,7 +170,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     training = log_training_run(target, params, model, data, workspace.stage_dir("reports"))
     onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
     calibration = None
-    if "int8" in params.precision.build:
+    if "int8" in params.precision.build and params.precision.calibrates(int8_backend(params)):
         calibration = curate_calibration(data, model.path, params.build.profiles, params.calibration, workspace.stage_dir("calibration"))
     outcomes = tuple(
         _engine_for(precision, params, model, onnx, data, calibration, workspace, target, training) for precision in params.precision.build
@@ -187,6 +187,12 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     return result
 
 
+def int8_backend(params: Params) -> str:
+    """The backend an int8 engine is built for: it decides int8's scheme (blocks on ONNX
+    Runtime, Q/DQ for TensorRT) and so whether a calibration set is curated."""
+    return resolve_backend(params.build.backend, "int8", ort_only=params.precision.int8.scheme == "blocks")
+
+
 def _engine_for(
     precision: str,
     params: Params,
@@ -198,7 +204,8 @@ def _engine_for(
     target: RegistryTarget,
     training: RunLink | None,
 ) -> EngineOutcome:
-    graph = convert_precision(onnx, precision, calibration, params.precision, workspace.stage_dir("precision"))
+    settings = params.precision.for_backend(int8_backend(params)) if precision == "int8" else params.precision
+    graph = convert_precision(onnx, precision, calibration, settings, workspace.stage_dir("precision"))
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"), params.serving.threads)
     report = gated.report.plus(serving_check(engine, data.texts("eval"), params.gates, params.serving.threads))

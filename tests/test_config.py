@@ -97,6 +97,14 @@ def test_int4_asked_of_tensorrt_and_a_block_size_that_is_no_power_of_two_are_nam
     assert load_params(write(tmp_path, "precision:\n  build: [fp32, int4]\n  int4: {block_size: 64, symmetric: false}\n")).precision.int4.block_size == 64
 
 
+def test_int8_blocks_asked_of_tensorrt_are_named_with_the_scheme_tensorrt_builds(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("build.backend tensorrt cannot build int8 (precision.build): those engines run ONNX Runtime's MatMulNBits (auto builds them on ONNX Runtime); TensorRT builds int8 from Q/DQ: precision.int8.scheme qdq or auto")):
+        load_params(write(tmp_path, "build:\n  backend: tensorrt\nprecision:\n  build: [fp16, int8]\n  int8: {scheme: blocks}\n"))
+    assert load_params(write(tmp_path, "build:\n  backend: tensorrt\nprecision:\n  build: [fp16, int8]\n")).precision.int8.scheme_for("tensorrt") == "qdq"
+    with pytest.raises(ConfigError, match="block_size must be a power of two"):
+        load_params(write(tmp_path, "precision:\n  int8: {block_size: 96}\n"))
+
+
 def test_llama_keys_under_a_gpt2_architecture_are_named(tmp_path):
     with pytest.raises(ConfigError, match="n_kv_heads, rope_theta apply to family llama only; family is gpt2"):
         load_params(write(tmp_path, "model:\n  architecture: {n_kv_heads: 2, rope_theta: 10000}\n"))

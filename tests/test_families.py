@@ -186,7 +186,7 @@ def families(tmp_path_factory, llama_tokenizer, tiny_model):
         params_file = write_params(root / f"{family}.yaml", params)
         result = kiln("build", "--model", str(model.path), "--params", str(params_file), cwd=root)
         built[family] = SimpleNamespace(model=model, params=params, exit_code=result.returncode, output=result.stdout + result.stderr, extra_eos=extra_eos)
-    return SimpleNamespace(root=root, built=built)
+    return SimpleNamespace(root=root, built=built, data=data)
 
 
 def toy_model_gates(gates):
@@ -328,14 +328,25 @@ def test_each_family_is_served_and_answers_the_openai_clients_completions_and_ch
 
 @pytest.fixture(scope="module")
 def llama_graphs(families):
-    """The llama's fp32 export and its fp16 and int8 graphs, as the build left them."""
+    """The llama's fp32 export and its fp16 and int8 graphs, as the build left them (int8:
+    ONNX Runtime's blocks), and its Q/DQ int8 graph (TensorRT's form) from the same export."""
+    from components.calibrate import calibration_set_from_pool
+    from components.config import Int8Params
+    from components.export import onnx_from_model
+    from components.precision import precision_onnx
+
     stages = families.root / ".kiln" / "stages"
-    model_sha = families.built["llama"].model.sha256[:12]
+    llama = families.built["llama"]
+    model_sha = llama.model.sha256[:12]
     fp32 = next(p for p in (stages / "onnx").glob(f"*-{model_sha}") if p.is_dir()) / "model.onnx"
     fp32_sha = file_sha256(fp32)[:12]
     graphs = {"fp32": onnx.load(str(fp32))}
     for precision in ("fp16", "int8"):
         graphs[precision] = onnx.load(str(next((stages / "precision").glob(f"{precision}-*-{fp32_sha}")) / "model.onnx"))
+    exported = onnx_from_model(llama.model, llama.params.export, stages / "onnx")  # the build's, found again
+    calibration = calibration_set_from_pool(families.data, llama.model.path, llama.params.build.profiles, llama.params.calibration, families.root / "qdq-calibration")
+    qdq = PrecisionParams(int8=Int8Params(scheme="qdq"))
+    graphs["qdq"] = onnx.load(str(precision_onnx(exported, "int8", calibration, qdq, families.root / "qdq-precision").onnx.path))
     return graphs
 
 
@@ -363,8 +374,24 @@ def test_fp16_keeps_rmsnorm_the_rotary_angles_and_the_logits_in_fp32(llama_graph
 
 
 @pytest.mark.slow
-def test_int8_quantizes_the_weight_matmuls_only_norms_rotary_attention_scores_and_swiglu_down_stay_float(llama_graphs):
-    int8 = llama_graphs["int8"]
+def test_int8_blocks_hold_every_weight_matmul_and_leave_norms_rotary_and_attention_scores_float(llama_graphs):
+    """ONNX Runtime's int8 of a Llama: q, k, v, o, gate, up and down of each layer and the
+    LM head as 8-bit MatMulNBits; RMSNorm's decomposition, the rotary angles and the
+    attention's two MatMuls untouched; no Q/DQ."""
+    int8, fp32 = llama_graphs["int8"], llama_graphs["fp32"]
+    blocks = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in int8.graph.node if n.op_type == "MatMulNBits"]
+    assert len(blocks) == 2 * 7 + 1 and all(b["bits"] == 8 for b in blocks)
+    weights = {i.name for i in int8.graph.initializer}
+    assert not [n.name for n in int8.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
+    assert not {"QuantizeLinear", "DequantizeLinear"} & {n.op_type for n in int8.graph.node}
+    sensitive = ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Cos", "Sin", "Softmax")
+    assert sorted(n.op_type for n in int8.graph.node if n.op_type in sensitive) == sorted(n.op_type for n in fp32.graph.node if n.op_type in sensitive)
+    assert sum(n.op_type == "MatMul" for n in int8.graph.node) == 2 * 2  # Q·Kᵀ and attn·V per layer
+
+
+@pytest.mark.slow
+def test_int8_qdq_quantizes_the_weight_matmuls_only_norms_rotary_attention_scores_and_swiglu_down_stay_float(llama_graphs):
+    int8 = llama_graphs["qdq"]
     producers = {out: node for node in int8.graph.node for out in node.output}
     dequantized = {n.output[0] for n in int8.graph.node if n.op_type == "DequantizeLinear"}
     weights = {i.name for i in int8.graph.initializer}
@@ -389,9 +416,10 @@ def test_onnx_runtime_runs_every_quantized_matmul_as_an_int8_kernel(llama_graphs
 
     from components.runtime.onnxruntime import QDQ_DISABLED_OPTIMIZERS
 
-    int8 = llama_graphs["int8"]
+    int8 = llama_graphs["qdq"]
     dequantized = {n.output[0] for n in int8.graph.node if n.op_type == "DequantizeLinear"}
     quantized = [n for n in int8.graph.node if n.op_type in ("MatMul", "Gemm") and set(n.input) & dequantized]
+    assert quantized
     onnx.save(int8, str(tmp_path / "int8.onnx"))
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

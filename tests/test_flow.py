@@ -110,16 +110,20 @@ def test_a_triggered_rebuild_whose_gate_fails_ends_failed_with_the_numbers_and_n
     assert sum("gates failed for fp32" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_that_passed(flow_project):
+@pytest.mark.parametrize("scheme", ["auto", "qdq"])
+def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_that_passed(flow_project, scheme):
+    """int8 as ONNX Runtime gets it by default (8-bit weight blocks: nothing calibrated) and
+    as Q/DQ (TensorRT's form, run here): a Q/DQ version names its calibration set, logged
+    as the run's input; a blocks version names none, and no set is curated for it."""
     from mlflow import MlflowClient
 
-    from components.config import PrecisionParams
+    from components.config import Int8Params, PrecisionParams
 
     base = tiny_params(flow_project)
     params = base.model_copy(
         update={
-            "precision": PrecisionParams(build=["fp32", "int8"]),
-            "registry": base.registry.model_copy(update={"model_name": "kiln-two-precisions"}),
+            "precision": PrecisionParams(build=["fp32", "int8"], int8=Int8Params(scheme=scheme)),
+            "registry": base.registry.model_copy(update={"model_name": f"kiln-two-precisions-{scheme}"}),
         }
     )
     result = retrain_and_rebuild(params, flow_project)
@@ -133,12 +137,17 @@ def test_fp32_and_int8_are_each_registered_and_challenger_goes_to_the_fastest_th
     client = MlflowClient(target.tracking_uri)
     int8 = next(o for o in result.outcomes if o.precision == "int8")
     tags = client.get_model_version(params.registry.model_name, int8.registration.version).tags
-    assert tags["calibration_digest"] == result.calibration.digest and tags["precision"] == "int8"
     run = client.get_run(int8.registration.run_id)
     contexts = {d.dataset.name: {t.value for t in d.tags} for d in run.inputs.dataset_inputs}
-    assert contexts == {"corpus": {"training"}, "calibration": {"calibration"}}
     artifacts = {a.path for a in client.list_artifacts(int8.registration.run_id, "calibration")}
-    assert "calibration/lengths.png" in artifacts
+    assert tags["precision"] == "int8"
+    if scheme == "qdq":
+        assert tags["calibration_digest"] == result.calibration.digest
+        assert contexts == {"corpus": {"training"}, "calibration": {"calibration"}}
+        assert "calibration/lengths.png" in artifacts
+    else:
+        assert result.calibration is None and tags["calibration_digest"] == "none"
+        assert contexts == {"corpus": {"training"}} and not artifacts
 
 
 def test_stage_outputs_deleted_behind_the_cache_are_rebuilt_not_reused(flow_project):

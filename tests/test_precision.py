@@ -1,4 +1,5 @@
-"""Precision lives in the ONNX graph: int8 Q/DQ (symmetric) and fp16 with sensitive ops fp32."""
+"""Precision lives in the ONNX graph: int8 as 8-bit weight blocks (ONNX Runtime) or Q/DQ
+(symmetric, for TensorRT), int4 blocks, and fp16 with sensitive ops fp32."""
 
 import dataclasses
 
@@ -16,9 +17,21 @@ from components.runtime.tokenizer import EngineTokenizer
 from .conftest import build_engine
 
 
+def qdq(int8: Int8Params = Int8Params()) -> PrecisionParams:
+    """Precision settings whose int8 is Q/DQ (TensorRT's form)."""
+    return PrecisionParams(int8=int8.model_copy(update={"scheme": "qdq"}))
+
+
 @pytest.fixture(scope="module")
 def int8_graph(project, exported, calibration, params):
-    return precision_onnx(exported, "int8", calibration, params.precision, project / "precision")
+    """The Q/DQ form, as built for TensorRT."""
+    return precision_onnx(exported, "int8", calibration, params.precision.for_backend("tensorrt"), project / "precision")
+
+
+@pytest.fixture(scope="module")
+def int8_blocks_graph(project, exported, params):
+    """The form ONNX Runtime engines get (the default scheme, resolved for onnxruntime)."""
+    return precision_onnx(exported, "int8", None, params.precision.for_backend("onnxruntime"), project / "precision")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +57,40 @@ def test_int8_graph_has_symmetric_qdq_with_per_channel_weights(int8_graph):
     assert zero_points and all(np.all(z == 0) for z in zero_points)  # TensorRT needs zero point 0
     assert any(values[n.input[1]].size > 1 for n in quantize if n.input[1] in values)  # per-channel scales
     assert int8_graph.calibration_digest is not None and int8_graph.fp32_sha256 != int8_graph.onnx.sha256
+
+
+def test_int8_for_onnx_runtime_puts_every_linear_layer_and_the_lm_head_in_8_bit_blocks_with_nothing_calibrated(int8_blocks_graph, exported):
+    """ONNX Runtime's int8: each linear layer and the tied LM head as MatMulNBits with 8-bit
+    symmetric blocks of 64 weights and int8 activations per block (accuracy level 4): a
+    byte a weight; LayerNorm and attention float; no Q/DQ and no calibration set."""
+    model = onnx.load(str(int8_blocks_graph.onnx.path))
+    ops = [n.op_type for n in model.graph.node]
+    fp32 = onnx.load(str(exported.path))
+    linear = [n for n in fp32.graph.node if n.op_type == "Gemm"]
+    packed = [(n, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}) for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(packed) == len(linear) + 1 == 4 * exported.layout.num_layers + 1  # the LM head too
+    assert all((s["bits"], s["block_size"], s["accuracy_level"]) == (8, 64, 4) for _, s in packed)
+    assert all(len(n.input) < 4 or not n.input[3] for n, _ in packed)  # symmetric: no zero points
+    assert not {"QuantizeLinear", "DequantizeLinear", "Gemm"} & set(ops)
+    assert ops.count("LayerNormalization") == [n.op_type for n in fp32.graph.node].count("LayerNormalization")
+    weights = {i.name: numpy_helper.to_array(i) for i in fp32.graph.initializer}
+    packed_bytes = {i.name: len(i.raw_data) for i in model.graph.initializer}
+    embedding = next(w for w in weights.values() if w.ndim == 2 and w.shape[0] == exported.layout.vocab_size)
+    in_blocks = lambda inputs, outputs: outputs * -(-inputs // 64) * 64  # noqa: E731 (a row's last block padded)
+    expected = sum(in_blocks(*weights[n.input[1]].shape) for n in linear) + in_blocks(embedding.shape[1], embedding.shape[0])
+    assert sum(packed_bytes[n.input[1]] for n, _ in packed) == expected  # a byte a weight
+    assert int8_blocks_graph.calibration_digest is None and int8_blocks_graph.ort_only
+
+
+def test_int8_blocks_are_built_by_onnx_runtime_alone_and_tensorrt_gets_qdq():
+    from components.build import resolve_backend
+    from components.errors import BuildError
+
+    assert resolve_backend("auto", "int8", ort_only=True) == "onnxruntime"
+    with pytest.raises(BuildError, match="int8 engines run ONNX Runtime's MatMulNBits; build.backend tensorrt cannot build them"):
+        resolve_backend("tensorrt", "int8", ort_only=True)
+    assert (Int8Params().scheme_for("onnxruntime"), Int8Params().scheme_for("tensorrt")) == ("blocks", "qdq")
+    assert PrecisionParams(build=["fp32", "int8"]).calibrates("tensorrt") and not PrecisionParams(build=["fp32", "int8"]).calibrates("onnxruntime")
 
 
 def test_int8_weights_fit_in_seven_bits_so_no_cpu_saturates_their_sums(int8_graph):
@@ -91,11 +138,17 @@ def test_fp16_graph_keeps_layernorm_and_logits_in_fp32(fp16_graph):
 
 
 def test_fp16_int8_and_int4_engines_pass_their_quality_limits(project, params, tiny_model, exported, data_version, calibration, reference, windows):
+    from components.build import engine_from_onnx
+
     for precision in ("fp16", "int8", "int4"):
         engine_dir = build_engine(project, params, tiny_model, exported, data_version, precision, calibration)
         result = quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
         assert engine_dir.manifest.precision == precision
         assert result.passed, (precision, result.measured)
+    graph = precision_onnx(exported, "int8", calibration, qdq(), project / "precision")  # TensorRT's form, run here
+    engine_dir = engine_from_onnx(graph, tiny_model, data_version, params.build, project / "engines", project)
+    result = quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
+    assert result.passed, ("int8 Q/DQ", result.measured)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +212,7 @@ def test_the_gate_stops_a_badly_made_int8_engine(variant, project, params, tiny_
         op_types=["MatMul", "Gemm", "Add", "Mul", "Softmax", "LayerNormalization", "Gather"],
         keep_float=KeepFloatParams(op_types=[], attention_scores=False),
     )
-    settings = PrecisionParams(int8=everything if variant != "unrepresentative" else Int8Params(calibration_method="minmax"))
+    settings = qdq(everything)
     chosen = calibration if variant == "nothing-float" else bad_set
     result = int8_quality(variant, settings, chosen, project, params, tiny_model, exported, data_version, reference, windows)
     print(variant, result.measured)
@@ -178,7 +231,7 @@ def test_unrepresentative_calibration_costs_quality_that_the_gate_measures(proje
     import torch
 
     bad_set = dataclasses.replace(calibration, digest="unrepresentative", prompts=((7,),) * 8, decode_steps=0)
-    settings = PrecisionParams(int8=Int8Params(calibration_method="minmax"))
+    settings = qdq(Int8Params(calibration_method="minmax"))
     engines = {name: int8_engine(name, settings, chosen, project, params, tiny_model, exported, data_version) for name, chosen in (("curated-minmax", calibration), ("unrepresentative", bad_set))}
     with torch.no_grad():
         ids = torch.from_numpy(windows)

@@ -17,7 +17,7 @@ needs_tensorrt = pytest.mark.skipif(not TRT_READY, reason=f"TensorRT cannot run 
 
 @pytest.fixture(scope="module")
 def int8_graph(project, exported, calibration, params):
-    return precision_onnx(exported, "int8", calibration, params.precision, project / "precision")
+    return precision_onnx(exported, "int8", calibration, params.precision.for_backend("tensorrt"), project / "precision")
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_a_tensorrt_engine_generates_like_onnx_runtime_and_passes_its_gate(
     from components.runtime import load_engine
     from components.runtime.sampling import Sampling
 
-    graph = precision_onnx(exported, precision, calibration, params.precision, project / "precision")
+    graph = precision_onnx(exported, precision, calibration, params.precision.for_backend("tensorrt"), project / "precision")
     build = params.build.model_copy(update={"backend": "tensorrt"})
     built = engine_from_onnx(graph, tiny_model, data_version, build, project / "trt-engines", project)
     assert built.manifest.backend == "tensorrt" and built.manifest.target.startswith("sm_")

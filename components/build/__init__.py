@@ -31,13 +31,14 @@ def timing_cache_of(params: BuildParams, project_root: Path) -> Path:
     return project_root / params.tensorrt.timing_cache
 
 
-def resolve_backend(requested: str, precision: str = "fp32") -> str:
+def resolve_backend(requested: str, precision: str = "fp32", ort_only: bool = False) -> str:
     """The backend that builds `precision`. `auto` is TensorRT where it imports and an NVIDIA
     GPU is present; else torch-cuda where torch sees a CUDA GPU, for the precisions it has
-    (fp32, fp16; int8 stays on ONNX Runtime); else ONNX Runtime. int4 is ONNX Runtime's alone."""
+    (fp32, fp16; int8 stays on ONNX Runtime); else ONNX Runtime. int4, and graphs of ONNX
+    Runtime's own operators (`ort_only`: int8 blocks), are ONNX Runtime's alone."""
     from components.runtime.availability import tensorrt_ready, torch_cuda_ready
 
-    if precision in ORT_ONLY_PRECISIONS:
+    if ort_only or precision in ORT_ONLY_PRECISIONS:
         if requested not in ("auto", "onnxruntime"):
             raise BuildError(f"{precision} engines run ONNX Runtime's MatMulNBits; build.backend {requested} cannot build them (use auto or onnxruntime)")
         return "onnxruntime"
@@ -58,7 +59,7 @@ def engine_from_onnx(
     Relative paths in `params` (the TensorRT timing cache) are relative to `project_root`.
     A torch-cuda engine is built from the model itself (its lineage names no precision ONNX)."""
     lineage = lineage_of(model, graph, data)
-    backend = resolve_backend(params.backend, graph.precision)
+    backend = resolve_backend(params.backend, graph.precision, graph.ort_only)
     if backend == "tensorrt":
         from components.build.tensorrt import trt_engine_from_onnx
 
