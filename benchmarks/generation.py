@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
+from components.config import Precision
+from components.errors import KilnError
 from components.progress import stage_progress
 
 # Each shape is its family's transformers config, with the family named.
@@ -28,6 +31,9 @@ SMOLLM2_135M = {
 # `kiln bench --shape tiny`: seconds instead of minutes, to check that the bench runs (not to measure).
 TINY = {"family": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
 SHAPES = {"gpt2-small": GPT2_SMALL, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}
+# `--precisions` names beside the precisions: int8 in TensorRT's Q/DQ form, run by ONNX
+# Runtime, to time it against ONNX Runtime's own int8 (weight blocks) in one run.
+VARIANTS = {"int8-qdq": ("int8", "qdq")}
 
 
 @dataclass(frozen=True)
@@ -181,12 +187,16 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
     # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
     onnx = onnx_from_model(model, ExportParams(parity_tolerance=1e-3), work / "onnx")
     calibration = benchmark_calibration(work, shape["vocab_size"], setup)
-    settings = PrecisionParams(build=precisions, int8=Int8Params(calibration_method="minmax"))
+    settings = PrecisionParams(int8=Int8Params(calibration_method="minmax"))
     data = DataVersion(path=work, md5="benchmark")
     engines = {}
-    for precision in precisions:
-        graph = precision_onnx(onnx, precision, calibration, settings, work / "precision")
-        engines[precision] = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work).path
+    for name in precisions:
+        precision, scheme = VARIANTS.get(name, (name, "auto"))
+        if precision not in get_args(Precision):
+            raise KilnError(f"--precisions: {name!r} is not one of {', '.join([*get_args(Precision), *VARIANTS])}")
+        variant = settings.model_copy(update={"int8": settings.int8.model_copy(update={"scheme": scheme})})
+        graph = precision_onnx(onnx, precision, calibration, variant, work / "precision")
+        engines[name] = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work).path
     return model.path, engines
 
 

@@ -254,7 +254,7 @@ def bench(
     ctx: typer.Context,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
     runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
-    precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time")] = "fp32,int8,int4",
+    precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time: fp32, fp16, int8, int4, or int8-qdq (TensorRT's int8 form, on ONNX Runtime)")] = "fp32,int8,int4",
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
     shape: Annotated[str, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads) or tiny (a quick check that it runs)")] = "gpt2-small",
     device: Annotated[str, typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF eager fp16 and HF static cache + torch.compile vs the torch-cuda engine, batch 1 and 16")] = "cpu",

@@ -293,6 +293,19 @@ def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path):
     assert rows["hf-eager-fp32"]["speedup_vs_hf"] == 1.0
 
 
+def test_kiln_bench_times_tensorrts_int8_form_beside_onnx_runtimes_and_names_an_unknown_precision(tmp_path):
+    from components.engine_dir import load_engine_dir
+
+    args = ["--shape", "tiny", "--runs", "1", "--work", str(tmp_path / "work"), "--json", str(tmp_path / "bench.json")]
+    result = kiln("bench", "--precisions", "int8,int8-qdq", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {row["name"] for row in json.loads((tmp_path / "bench.json").read_text())["rows"]} == {"hf-eager-fp32", "kiln-ort-int8", "kiln-ort-int8-qdq"}
+    calibrated = {load_engine_dir(d).manifest.lineage.calibration_digest is not None for d in (tmp_path / "work" / "tiny" / "engines").iterdir() if d.is_dir()}
+    assert calibrated == {True, False}  # the Q/DQ engine was calibrated, the blocks engine not
+    unknown = kiln("bench", "--precisions", "int9", *args, cwd=tmp_path)
+    assert unknown.returncode == 2 and "--precisions: 'int9' is not one of fp32, fp16, int8, int4, int8-qdq" in unknown.stderr
+
+
 def test_an_unforeseen_exception_ends_as_one_line_with_exit_2_and_its_traceback_kept(capsys):
     import typer
 
