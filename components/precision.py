@@ -29,7 +29,7 @@ from components.progress import stage_progress
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "8"  # 6: fp16 keeps RMSNorm and the rotary angles in fp32, int8 a Q/DQ pair per reader; 7: int8 blocks; 8: blocks on 3-D inputs
+STAGE_VERSION = "7"  # 6: fp16 keeps RMSNorm and the rotary angles in fp32, int8 a Q/DQ pair per reader; 7: int8 blocks
 
 
 @dataclass(frozen=True)
@@ -132,63 +132,7 @@ def _weight_blocks_onnx(source: Path, output: Path, quantize: Callable, blocks: 
     model = quantize(model)
     if lm_head_bits is not None and heads:
         model = blocks.apply(model, lm_head_bits, include=heads)
-    linear_layers_on_their_3d_input(model)
     onnx_lib.save(model, str(output))
-
-
-def linear_layers_on_their_3d_input(model) -> None:
-    """GPT-2's linear layers (Conv1D) flatten their input to 2-D, multiply, add the bias and
-    restore the shape: a Reshape, an Add and a Reshape around each MatMulNBits, which takes
-    the 3-D input and the bias itself (GPT-2-small int8, batch 1: 4.5 % of a token's time).
-    In place, where the inferred shapes agree: a (batch, sequence, K) input comes back as
-    (batch, sequence, N). The attention's output projection, whose input is (batch,
-    sequence, heads, head_dim), keeps its Reshape."""
-    from collections import defaultdict
-
-    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.value_info}
-    constants = {i.name: list(i.dims) for i in model.graph.initializer}
-    producers = {out: node for node in model.graph.node for out in node.output}
-    consumers: dict[str, list] = defaultdict(list)
-    for node in model.graph.node:
-        for name in node.input:
-            consumers[name].append(node)
-    replaced: set[str] = set()
-    for node in model.graph.node:
-        around = _flatten_bias_restore(node, producers, consumers, constants, dims)
-        if around is None:
-            continue
-        flatten, add, bias, restore = around
-        replaced |= {flatten.output[0], node.output[0], add.output[0]}
-        node.input[:] = [flatten.input[0], *(list(node.input[1:]) + [""] * 4)[:4], bias]
-        node.output[0] = restore.output[0]
-        for dropped in (flatten, add, restore):
-            dropped.name = dropped.name + "/dropped"
-    kept = [node for node in model.graph.node if not node.name.endswith("/dropped")]
-    del model.graph.node[:]
-    model.graph.node.extend(kept)
-    stale = [v for v in model.graph.value_info if v.name in replaced]
-    for value in stale:
-        model.graph.value_info.remove(value)
-
-
-def _flatten_bias_restore(node, producers, consumers, constants, dims):
-    """(flatten Reshape, bias Add, bias name, restore Reshape) around a MatMulNBits without a
-    bias of its own, or None."""
-    if node.op_type != "MatMulNBits" or (len(node.input) > 5 and node.input[5]):
-        return None
-    flatten, after = producers.get(node.input[0]), consumers[node.output[0]]
-    if flatten is None or flatten.op_type != "Reshape" or len(consumers[flatten.output[0]]) != 1 or len(after) != 1 or after[0].op_type != "Add":
-        return None
-    add = after[0]
-    depth, width = (next(a.i for a in node.attribute if a.name == key) for key in ("K", "N"))
-    bias = next((name for name in add.input if name != node.output[0] and constants.get(name) == [width]), None)
-    restores = consumers[add.output[0]]
-    if bias is None or len(restores) != 1 or restores[0].op_type != "Reshape":
-        return None
-    source, restored = dims.get(flatten.input[0]), dims.get(restores[0].output[0])
-    if not source or not restored or len(source) != 3 or len(restored) != 3 or source[:2] != restored[:2] or (source[2], restored[2]) != (depth, width):
-        return None
-    return flatten, add, bias, restores[0]
 
 
 @dataclass(frozen=True)

@@ -80,30 +80,6 @@ def test_int8_for_onnx_runtime_puts_every_linear_layer_and_the_lm_head_in_8_bit_
     expected = sum(in_blocks(*weights[n.input[1]].shape) for n in linear) + in_blocks(embedding.shape[1], embedding.shape[0])
     assert sum(packed_bytes[n.input[1]] for n, _ in packed) == expected  # a byte a weight
     assert int8_blocks_graph.calibration_digest is None and int8_blocks_graph.ort_only
-    with_bias = [n for n, _ in packed if len(n.input) > 5 and n.input[5]]
-    assert len(with_bias) == 3 * exported.layout.num_layers  # on their 3-D input: all but the attention's output projection
-
-
-def test_linear_layers_on_their_3d_input_compute_what_the_reshapes_around_them_did(exported, tmp_path, monkeypatch):
-    """GPT-2's flatten-multiply-add-restore around each MatMulNBits, folded into the
-    MatMulNBits: the same logits and cache on a left-padded batch."""
-    import onnxruntime as ort
-
-    import components.precision as precision
-
-    folded, plain = tmp_path / "folded.onnx", tmp_path / "plain.onnx"
-    precision.int8_blocks_onnx(exported.path, Int8Params(), folded)
-    monkeypatch.setattr(precision, "linear_layers_on_their_3d_input", lambda model: None)
-    precision.int8_blocks_onnx(exported.path, Int8Params(), plain)
-    layout = exported.layout
-    ids = np.array([[0, 0, 5, 17, 42], [3, 9, 27, 81, 11]], np.int64)
-    mask = (np.arange(5) >= np.array([[2], [0]])).astype(np.int64)
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.clip(mask.cumsum(-1) - 1, 0, None), "logits_positions": np.arange(5)}
-    feeds |= {name: np.zeros((2, layout.num_kv_heads, 0, layout.head_dim), np.float32) for name in layout.past_names}
-    outputs = [ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds) for path in (folded, plain)]
-    assert sum(n.op_type == "Reshape" for n in onnx.load(str(folded)).graph.node) < sum(n.op_type == "Reshape" for n in onnx.load(str(plain)).graph.node)
-    for ours, theirs in zip(*outputs, strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_blocks_are_built_by_onnx_runtime_alone_and_tensorrt_gets_qdq():
