@@ -98,7 +98,7 @@ def int4_weight_only_onnx(source: Path, params: Int4Params, output: Path) -> Non
     `block_size` weights along the input), the LM head with `lm_head_bits`; everything else
     as it was."""
     blocks = _Blocks(params.block_size, params.symmetric, params.accuracy_level)
-    _weight_blocks_onnx(source, output, lambda model: blocks.apply(model, 4, exclude=_lm_head_nodes(model)), blocks, params.lm_head_bits)
+    _weight_blocks_onnx(source, output, lambda model, heads: blocks.apply(model, 4, exclude=heads), blocks, params.lm_head_bits)
 
 
 def int8_blocks_onnx(source: Path, params: Int8Params, output: Path) -> None:
@@ -109,14 +109,14 @@ def int8_blocks_onnx(source: Path, params: Int8Params, output: Path) -> None:
     outliers under one scale per tensor, is gone with a scale per block."""
     blocks = _Blocks(params.block_size, symmetric=True, accuracy_level=4)
     per_block = params.model_copy(update={"keep_float": params.keep_float.model_copy(update={"swiglu_down": False})})
-    _weight_blocks_onnx(source, output, lambda model: blocks.apply(model, 8, exclude=nodes_kept_float(model, per_block)), blocks, None)
+    _weight_blocks_onnx(source, output, lambda model, heads: blocks.apply(model, 8, exclude=nodes_kept_float(model, per_block)), blocks, None)
 
 
 def _weight_blocks_onnx(source: Path, output: Path, quantize: Callable, blocks: _Blocks, lm_head_bits: int | None) -> None:
     """The graph constant-folded first, as for Q/DQ: a tied LM head's weight (a Transpose of
     the embedding) becomes an initializer that can be quantized; left float it was the
-    largest read of a decode step (GPT-2-small: 154 MB of 243). Then `quantize`, and the LM
-    head with `lm_head_bits` where it was left out."""
+    largest read of a decode step (GPT-2-small: 154 MB of 243). Then `quantize(model, the LM
+    head's nodes)`, and the LM head with `lm_head_bits` where it was left out."""
     import logging
 
     import onnx as onnx_lib
@@ -129,7 +129,7 @@ def _weight_blocks_onnx(source: Path, output: Path, quantize: Callable, blocks: 
     _gemms_as_matmuls(model)
     heads = _lm_head_nodes(model)
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node otherwise
-    model = quantize(model)
+    model = quantize(model, heads)
     if lm_head_bits is not None and heads:
         model = blocks.apply(model, lm_head_bits, include=heads)
     onnx_lib.save(model, str(output))
@@ -155,11 +155,9 @@ class _Blocks:
 
 def _lm_head_nodes(model) -> list[str]:
     """The MatMuls whose constant weight projects onto the vocabulary (the logits' last dim)."""
-    from onnx import numpy_helper
-
     vocab = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
-    shapes = {i.name: numpy_helper.to_array(i).shape for i in model.graph.initializer}
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and shapes.get(n.input[1], (0,))[-1] == vocab]
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}  # the dims alone: no copy of every weight
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and shapes.get(n.input[1], [0])[-1:] == [vocab]]
 
 
 def _gemms_as_matmuls(model) -> None:

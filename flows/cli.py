@@ -346,7 +346,7 @@ def bench_serving(
         for _ in range(setup.rounds):  # every server once a round: a shared machine's slow spell falls on all of them
             every_round += bs.serving_rounds(engines, one, params_file.resolve(), on_row=done)
             every_round += bs.url_rounds(url or [], peers_vocab, one, on_row=done)
-            every_round += bs.triton_rounds(triton or [], tokenizer_dir, peers_vocab, one, on_row=done) if triton else []
+            every_round += bs.triton_rounds(triton, tokenizer_dir, peers_vocab, one, on_row=done) if triton else []
     rows = bs.median_rows(every_round)
     render.serving_rows(rows, setup, every_round)
     if json_path is not None:
