@@ -92,6 +92,9 @@ class EngineManifest(_Frozen):
     eos_token_ids: list[int] = []  # every id that ends generation (Llama 3 has several); []: eos_token_id
     parameter_count: int | None = None
     chat_template_sha256: str | None = None  # of CHAT_TEMPLATE; None: the model has no chat template
+    # The graph appends to its cache in place where past and present share a buffer
+    # (components.build.ort_attention); False: every call returns a grown copy.
+    kv_in_place: bool = False
 
     @cached_property
     def kv_heads(self) -> int:

@@ -25,6 +25,7 @@ from flows.cli import app
 from .conftest import EosAfter, make_project, new_project_store, tiny_params
 from .model_families import random_model_dir, sentencepiece_style_tokenizer
 from .test_cli import kiln, write_params
+from .test_ort_attention import assert_computes_the_same, fused_copy
 
 BUILT = ("llama", "qwen2", "mistral")
 PROMPT = "The list type"
@@ -252,6 +253,18 @@ def test_each_engine_records_its_family_kv_heads_and_export_parity(engines, fami
     graph = onnx.load(str(engines[family].engine_file)).graph
     past = next(i for i in graph.input if i.name == "past_key_values.0.key")
     assert [d.dim_value for d in past.type.tensor_type.shape.dim][1] == 2  # the cache holds the KV heads only
+    assert manifest.kv_in_place and sum(n.op_type == "GroupQueryAttention" for n in graph.node) == manifest.num_layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", BUILT)
+def test_each_familys_attention_fused_for_onnx_runtime_computes_what_its_export_does(families, family, tmp_path):
+    """Rotary embeddings applied before the cache, and two query heads a KV head
+    (transformers' repeat_kv): GroupQueryAttention reads the cache's own heads."""
+    export = exported_graph(families, family)
+    fused = tmp_path / "fused.onnx"
+    assert fused_copy(export, fused, 4, 2) == 2  # tests/model_families.SMALL: 2 layers
+    assert_computes_the_same(export, fused)
 
 
 @pytest.mark.slow
@@ -337,8 +350,7 @@ def llama_graphs(families):
 
     stages = families.root / ".kiln" / "stages"
     llama = families.built["llama"]
-    model_sha = llama.model.sha256[:12]
-    fp32 = next(p for p in (stages / "onnx").glob(f"*-{model_sha}") if p.is_dir()) / "model.onnx"
+    fp32 = exported_graph(families, "llama")
     fp32_sha = file_sha256(fp32)[:12]
     graphs = {"fp32": onnx.load(str(fp32))}
     for precision in ("fp16", "int8"):
@@ -348,6 +360,12 @@ def llama_graphs(families):
     qdq = PrecisionParams(int8=Int8Params(scheme="qdq"))
     graphs["qdq"] = onnx.load(str(precision_onnx(exported, "int8", calibration, qdq, families.root / "qdq-precision").onnx.path))
     return graphs
+
+
+def exported_graph(families, family: str) -> Path:
+    """The family's fp32 export, where `kiln build` left it."""
+    model_sha = families.built[family].model.sha256[:12]
+    return next(p for p in (families.root / ".kiln" / "stages" / "onnx").glob(f"*-{model_sha}") if p.is_dir()) / "model.onnx"
 
 
 def value_types(model) -> dict[str, int]:

@@ -1,10 +1,12 @@
-"""Building for ONNX Runtime: the precision ONNX is the engine file, packaged as an engine directory."""
+"""Building for ONNX Runtime: the precision ONNX with its attention fused for ONNX Runtime
+(components.build.ort_attention) is the engine file, packaged as an engine directory."""
 
 from __future__ import annotations
 
-import shutil
+import logging
 from pathlib import Path
 
+from components.build.ort_attention import fuse_attention
 from components.build.packaging import BackendBuild, engine_folder, package_engine
 from components.config import BuildParams, section_digest
 from components.engine_dir import EngineDir, Lineage
@@ -13,14 +15,29 @@ from components.precision import PrecisionOnnx
 BACKEND = "onnxruntime"
 ENGINE_FILE = "model.onnx"
 
+log = logging.getLogger(__name__)
+
 
 def ort_engine_from_onnx(
     graph: PrecisionOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path
 ) -> EngineDir:
-    """An ONNX Runtime engine directory: the precision ONNX is the engine file."""
+    """An ONNX Runtime engine directory: the precision ONNX, its attention fused, is the engine file."""
     import onnxruntime as ort
 
     build = BackendBuild(BACKEND, ort.__version__, "cpu", ENGINE_FILE)
     target = engine_folder(out_root, build, graph.precision, section_digest(params.profiles)[:8], graph.onnx.sha256[:12])
-    copy = lambda path: shutil.copyfile(graph.onnx.path, path)  # noqa: E731
-    return package_engine(target, copy, build, graph, tokenizer_dir, lineage, params.profiles)
+    return package_engine(target, lambda path: write_fused(graph, path), build, graph, tokenizer_dir, lineage, params.profiles)
+
+
+def write_fused(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
+    """The engine file at `path`; whether its cache is appended in place (for the manifest).
+    A graph whose attention does not match the export's pattern is written as it is."""
+    import onnx
+
+    model = onnx.load(str(graph.onnx.path))
+    layout = graph.onnx.layout
+    fused = fuse_attention(model, layout.num_heads, layout.num_kv_heads)
+    if not fused:
+        log.warning("%s: attention not fused (its pattern differs from the export's); the cache grows by copies", graph.onnx.path)
+    onnx.save(model, str(path))
+    return {"kv_in_place": bool(fused)}

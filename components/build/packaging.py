@@ -27,7 +27,7 @@ from components.precision import PrecisionOnnx
 
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "3"  # 2: torch-cuda programs without stack traces; 3: the chat template
+STAGE_VERSION = "4"  # 2: torch-cuda programs without stack traces; 3: the chat template; 4: ONNX Runtime attention fused
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def engine_folder(out_root: Path, build: BackendBuild, precision: str, *identity
 
 def package_engine(
     target: Path,
-    write_engine_file,  # (path) -> None: writes the backend's engine file there
+    write_engine_file,  # (path) -> dict | None: writes the backend's engine file there; what it returns goes into the manifest
     build: BackendBuild,
     graph: PrecisionOnnx,
     tokenizer_dir: Path,
@@ -72,11 +72,11 @@ def package_engine(
     """The engine directory at `target`, made atomically unless it is already there."""
 
     def fill(staging: Path) -> None:
-        write_engine_file(staging / build.engine_file)
+        described = write_engine_file(staging / build.engine_file) or {}
         for name in TOKENIZER_FILES:
             shutil.copyfile(tokenizer_dir / name, staging / name)
-        template_sha256 = write_chat_template(staging, tokenizer_dir)
-        write_manifest(staging, _manifest(staging, build, graph, tokenizer_dir, lineage, profiles).model_copy(update={"chat_template_sha256": template_sha256}))
+        described["chat_template_sha256"] = write_chat_template(staging, tokenizer_dir)
+        write_manifest(staging, _manifest(staging, build, graph, tokenizer_dir, lineage, profiles).model_copy(update=described))
 
     return load_engine_dir(stage_output(target, MANIFEST, fill))
 
