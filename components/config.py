@@ -275,7 +275,9 @@ class Int4Params(_Section):
     constant weight: at batch 1 a token's time is reading the weights, and 4 bits read half
     of int8's bytes. Activations stay float; nothing is calibrated."""
 
-    block_size: int = Field(32, ge=16, le=256)
+    # 128, GPTQ's and AWQ's group size: ONNX Runtime's 4-bit kernel was compute-bound at 32
+    # (measured: docs/performance.md, "The KV cache appended in place, int4 in blocks of 128").
+    block_size: int = Field(128, ge=16, le=256)
     """Weights per scale along the input dimension (a power of two)."""
     symmetric: bool = True
     """Symmetric blocks; false adds a zero point per block."""

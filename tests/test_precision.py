@@ -156,7 +156,7 @@ def int4_graph(project, exported, params):
     return precision_onnx(exported, "int4", None, params.precision, project / "precision")
 
 
-def test_int4_puts_every_linear_layer_in_4_bit_blocks_the_lm_head_in_8_and_leaves_the_rest_float(int4_graph, exported):
+def test_int4_puts_every_linear_layer_in_4_bit_blocks_the_lm_head_in_8_and_leaves_the_rest_float(int4_graph, exported, params):
     """GPT-2's linear layers are Gemms in the export: each becomes MatMulNBits (4 bits, blocks
     of params' size) plus its bias; the tied LM head (a Transpose of the embedding, folded
     to a constant) 8-bit blocks; LayerNorm, attention and activations stay float, and
@@ -168,16 +168,18 @@ def test_int4_puts_every_linear_layer_in_4_bit_blocks_the_lm_head_in_8_and_leave
     packed = {n.name: (n, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}) for n in model.graph.node if n.op_type == "MatMulNBits"}
     by_bits = {bits: [node for node, settings in packed.values() if settings["bits"] == bits] for bits in (4, 8)}
     assert len(by_bits[4]) == len(linear) == 4 * exported.layout.num_layers and len(by_bits[8]) == 1 and "Gemm" not in ops
-    assert all((s["block_size"], s["accuracy_level"]) == (32, 4) for _, s in packed.values())
+    assert all((s["block_size"], s["accuracy_level"]) == (params.precision.int4.block_size, 4) for _, s in packed.values())
     head = by_bits[8][0]
     assert next(d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim[-1:]) == exported.layout.vocab_size
     assert ops.count("LayerNormalization") == [n.op_type for n in fp32.graph.node].count("LayerNormalization")
     assert not {"QuantizeLinear", "DequantizeLinear"} & set(ops) and int4_graph.calibration_digest is None
     weights = {i.name: numpy_helper.to_array(i) for i in fp32.graph.initializer}
     packed_bytes = {i.name: len(i.raw_data) for i in model.graph.initializer}
-    assert sum(packed_bytes[n.input[1]] for n in by_bits[4]) * 2 == sum(weights[n.input[1]].size for n in linear)  # half a byte a weight
+    block = params.precision.int4.block_size
+    padded = lambda inputs, outputs: outputs * -(-inputs // block) * block  # noqa: E731  (the last block of a row filled up)
+    assert sum(packed_bytes[n.input[1]] for n in by_bits[4]) * 2 == sum(padded(*weights[n.input[1]].shape) for n in linear)  # half a byte a weight
     embedding = next(w for w in weights.values() if w.ndim == 2 and w.shape[0] == exported.layout.vocab_size)
-    assert packed_bytes[head.input[1]] == embedding.size  # a byte a weight
+    assert packed_bytes[head.input[1]] == padded(embedding.shape[1], embedding.shape[0])  # a byte a weight
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "torch-cuda"])
