@@ -61,7 +61,7 @@ def precision_onnx(
     the engine's backend first (`PrecisionParams.for_backend`)."""
     if precision == "fp32":
         return PrecisionOnnx(onnx=onnx, precision="fp32", fp32_sha256=onnx.sha256)
-    params = params.for_backend("onnxruntime") if params.int8.scheme == "auto" else params
+    params = params.for_backend("onnxruntime")  # a scheme other than auto stays as it is
     calibrated = precision == "int8" and params.int8.scheme == "qdq"
     if calibrated and calibration is None:
         raise BuildError("an int8 Q/DQ graph needs a calibration set")

@@ -170,7 +170,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     training = log_training_run(target, params, model, data, workspace.stage_dir("reports"))
     onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
     calibration = None
-    if "int8" in params.precision.build and params.precision.calibrates(int8_backend(params)):
+    if params.precision.calibrates(int8_backend(params)):  # int8 built, as Q/DQ
         calibration = curate_calibration(data, model.path, params.build.profiles, params.calibration, workspace.stage_dir("calibration"))
     outcomes = tuple(
         _engine_for(precision, params, model, onnx, data, calibration, workspace, target, training) for precision in params.precision.build

@@ -54,6 +54,11 @@ class _Graph:
         self.initializers = {init.name: init for init in graph.initializer}
         self.inputs = {value.name: value.type.tensor_type.elem_type for value in graph.input}
         self.outputs = {value.name for value in graph.output}
+        self.ranks = {
+            value.name: len(value.type.tensor_type.shape.dim)
+            for value in (*graph.value_info, *graph.input, *graph.output)
+            if value.type.tensor_type.HasField("shape")
+        }
 
     def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
         node = self.producer.get(name)
@@ -117,11 +122,11 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> int
     layers fused. All or none: a graph where any layer's pattern differs is left as it was
     (its cache then grows by Concat, which the runtime handles too)."""
     graph = _Graph(model.graph)
+    if ATTENTION_MASK not in graph.inputs:
+        return 0
     layers = [_layer_at(graph, node) for node in model.graph.node if node.op_type == "Softmax"]
     presents = sum(name.startswith("present") for name in graph.outputs)
     if not layers or any(layer is None for layer in layers) or 2 * len(layers) != presents:
-        return 0
-    if ATTENTION_MASK not in graph.inputs:
         return 0
     replaced = {id(node) for layer in layers for node in layer.replaced}
     nodes = _sequence_lengths()
@@ -180,20 +185,12 @@ def _flattened(graph: _Graph, name: str, prefix: str, nodes: list[onnx.NodeProto
     if transpose is not None and list(transpose.attribute[0].ints) == _TO_HEADS:
         view = graph.made_by(transpose.input[0], "Reshape")
         source = view.input[0] if view is not None else None
-        if source is not None and _rank(graph, source) == 3:
+        if source is not None and graph.ranks.get(source) == 3:
             return source
     nodes.append(helper.make_node("Transpose", [name], [f"{prefix}_bshd"], perm=_TO_HEADS))
     nodes.append(helper.make_node("Constant", [], [f"{prefix}_shape"], value=numpy_helper.from_array(np.array([0, 0, -1], np.int64))))
     nodes.append(helper.make_node("Reshape", [f"{prefix}_bshd", f"{prefix}_shape"], [f"{prefix}_flat"]))
     return f"{prefix}_flat"
-
-
-def _rank(graph: _Graph, name: str) -> int | None:
-    """A tensor's rank where the graph's shape information gives it."""
-    for value in (*graph.graph.value_info, *graph.graph.input, *graph.graph.output):
-        if value.name == name and value.type.tensor_type.HasField("shape"):
-            return len(value.type.tensor_type.shape.dim)
-    return None
 
 
 def _drop_unused(graph: onnx.GraphProto) -> None:
