@@ -250,6 +250,13 @@ def calibration(project, params, tiny_model, data_version):
     return calibration_set_from_pool(data_version, tiny_model.path, params.build.profiles, params.calibration, project / "calibration")
 
 
+@pytest.fixture(scope="session")
+def int4_graph(project, exported, params):
+    from components.precision import precision_onnx
+
+    return precision_onnx(exported, "int4", None, params.precision, project / "precision")
+
+
 def build_engine(project, params, tiny_model, exported, data_version, precision="fp32", calibration=None):
     from components.build import engine_from_onnx
     from components.precision import precision_onnx

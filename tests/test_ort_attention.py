@@ -1,5 +1,6 @@
-"""ONNX Runtime's engine graph: attention fused into GroupQueryAttention computes what the
-export does, and the engine appends to its cache in place."""
+"""ONNX Runtime's engine graph: attention fused into GroupQueryAttention and linear layers
+without their 2-D views compute what the export does, and the engine appends to its cache
+in place."""
 
 from pathlib import Path
 
@@ -7,7 +8,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from components.build.onnxruntime import write_fused
 from components.build.ort_attention import fuse_attention
+from components.build.ort_linear import read_unflattened
 from components.runtime.engine import left_pad
 
 
@@ -64,6 +67,40 @@ def test_a_graph_where_one_layer_differs_is_left_whole(exported):
     before = model.SerializeToString()
     assert fuse_attention(model, exported.layout.num_heads, exported.layout.num_kv_heads) == 0
     assert model.SerializeToString() == before
+
+
+def test_an_int4_engine_takes_q_k_v_whole_and_its_linear_layers_unflattened(int4_graph, tmp_path):
+    """GPT-2 splits one tensor into q, k and v, and views each linear layer's input as 2-D and
+    the product back: the engine file hands attention the unsplit tensor and each MatMulNBits
+    the (batch, sequence, features) activations, and computes the same numbers."""
+    engine_file = tmp_path / "model.onnx"
+    assert write_fused(int4_graph, engine_file) == {"kv_in_place": True}
+    graph = onnx.load(str(engine_file)).graph
+    producers = {out: node.op_type for node in graph.node for out in node.output}
+    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert attention and all(n.input[1] == n.input[2] == "" for n in attention)
+    assert "Split" not in producers.values()
+    assert not [n.name for n in graph.node if n.op_type == "MatMulNBits" and producers.get(n.input[0]) == "Reshape"]
+    assert_computes_the_same(int4_graph.onnx.path, engine_file)
+
+
+def test_a_linear_layer_whose_views_do_not_undo_each_other_keeps_them(int4_graph, exported):
+    """The second view must restore the first's leading dimensions (the recorded shapes say
+    so); where it does not, that layer stays as the export wrote it."""
+    model = onnx.load(str(int4_graph.onnx.path))
+    matmul = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    readers = {name: node for node in model.graph.node for name in node.input}
+    view = readers[readers[matmul.output[0]].output[0]]  # the bias Add, then the view back
+    shape = next(v for v in model.graph.value_info if v.name == view.output[0]).type.tensor_type.shape
+    shape.dim[0].dim_param = "another_batch"
+    fuse_attention(model, exported.layout.num_heads, exported.layout.num_kv_heads)  # as the build does: attention's output is then 3-D too
+    assert read_unflattened(model) == 4 * exported.layout.num_layers - 1
+    nodes = {n.name: n for n in model.graph.node}
+    assert view.name in nodes and producer_of(model, nodes[matmul.name].input[0]).op_type == "Reshape"
+
+
+def producer_of(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if name in n.output)
 
 
 def test_the_engine_decodes_into_the_buffer_its_cache_is_in(engine, engine_dir):

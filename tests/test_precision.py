@@ -151,11 +151,6 @@ def test_fp16_int8_and_int4_engines_pass_their_quality_limits(project, params, t
     assert result.passed, ("int8 Q/DQ", result.measured)
 
 
-@pytest.fixture(scope="module")
-def int4_graph(project, exported, params):
-    return precision_onnx(exported, "int4", None, params.precision, project / "precision")
-
-
 def test_int4_puts_every_linear_layer_in_4_bit_blocks_the_lm_head_in_8_and_leaves_the_rest_float(int4_graph, exported, params):
     """GPT-2's linear layers are Gemms in the export: each becomes MatMulNBits (4 bits, blocks
     of params' size) plus its bias; the tied LM head (a Transpose of the embedding, folded

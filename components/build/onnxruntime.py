@@ -1,5 +1,6 @@
-"""Building for ONNX Runtime: the precision ONNX with its attention fused for ONNX Runtime
-(components.build.ort_attention) is the engine file, packaged as an engine directory."""
+"""Building for ONNX Runtime: the precision ONNX, rewritten for ONNX Runtime's kernels
+(attention fused: components.build.ort_attention; linear layers without 2-D views:
+components.build.ort_linear), is the engine file, packaged as an engine directory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 from pathlib import Path
 
 from components.build.ort_attention import fuse_attention
+from components.build.ort_linear import read_unflattened
 from components.build.packaging import BackendBuild, engine_folder, package_engine
 from components.config import BuildParams, section_digest
 from components.engine_dir import EngineDir, Lineage
@@ -21,7 +23,7 @@ log = logging.getLogger(__name__)
 def ort_engine_from_onnx(
     graph: PrecisionOnnx, tokenizer_dir: Path, lineage: Lineage, params: BuildParams, out_root: Path
 ) -> EngineDir:
-    """An ONNX Runtime engine directory: the precision ONNX, its attention fused, is the engine file."""
+    """An ONNX Runtime engine directory: the precision ONNX, rewritten, is the engine file."""
     import onnxruntime as ort
 
     build = BackendBuild(BACKEND, ort.__version__, "cpu", ENGINE_FILE)
@@ -31,7 +33,7 @@ def ort_engine_from_onnx(
 
 def write_fused(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
     """The engine file at `path`; whether its cache is appended in place (for the manifest).
-    A graph whose attention does not match the export's pattern is written as it is."""
+    A graph whose attention does not match the export's pattern keeps the export's attention."""
     import onnx
 
     model = onnx.load(str(graph.onnx.path))
@@ -39,5 +41,6 @@ def write_fused(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
     fused = fuse_attention(model, layout.num_heads, layout.num_kv_heads)
     if not fused:
         log.warning("%s: attention not fused (its pattern differs from the export's); the cache grows by copies", graph.onnx.path)
+    read_unflattened(model)
     onnx.save(model, str(path))
     return {"kv_in_place": bool(fused)}

@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from components.build.ort_graph import Graph, attribute, drop_unused, topological_order
+
 ATTENTION_MASK = "attention_mask"
 _SEQLENS = "kiln_seqlens_k"  # per row, the tokens in the cache after this call, less one
 _TOTAL = "kiln_total_sequence_length"
@@ -41,51 +43,22 @@ class _Layer:
     replaced: list[onnx.NodeProto] = field(default_factory=list)
 
 
-class _Graph:
-    """Lookups over one graph, built once."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self.graph = graph
-        self.producer = {out: node for node in graph.node for out in node.output}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for name in node.input:
-                self.consumers.setdefault(name, []).append(node)
-        self.initializers = {init.name: init for init in graph.initializer}
-        self.inputs = {value.name: value.type.tensor_type.elem_type for value in graph.input}
-        self.outputs = {value.name for value in graph.output}
-        self.ranks = {
-            value.name: len(value.type.tensor_type.shape.dim)
-            for value in (*graph.value_info, *graph.input, *graph.output)
-            if value.type.tensor_type.HasField("shape")
-        }
-
-    def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
-        node = self.producer.get(name)
-        return node if node is not None and node.op_type == op_type else None
-
-    def constant(self, name: str) -> np.ndarray | None:
-        if name in self.initializers:
-            return numpy_helper.to_array(self.initializers[name])
-        node = self.made_by(name, "Constant")
-        return numpy_helper.to_array(node.attribute[0].t) if node is not None and node.attribute[0].name == "value" else None
-
-    def grown_cache(self, name: str, replaced: list[onnx.NodeProto]) -> onnx.NodeProto | None:
-        """The Concat(past input, new) that `name` reads, through repeat_kv; it must be a
-        graph output (the present cache), and float32 (what the runtime binds)."""
-        node = self.producer.get(name)
-        while node is not None and node.op_type in _REPEAT_KV:
-            replaced.append(node)
-            node = self.producer.get(node.input[0])
-        if node is None or node.op_type != "Concat" or len(node.input) != 2:
-            return None
-        if self.inputs.get(node.input[0]) != TensorProto.FLOAT or node.output[0] not in self.outputs:
-            return None
+def _grown_cache(graph: Graph, name: str, replaced: list[onnx.NodeProto]) -> onnx.NodeProto | None:
+    """The Concat(past input, new) that `name` reads, through repeat_kv; it must be a graph
+    output (the present cache), and float32 (what the runtime binds)."""
+    node = graph.producer.get(name)
+    while node is not None and node.op_type in _REPEAT_KV:
         replaced.append(node)
-        return node
+        node = graph.producer.get(node.input[0])
+    if node is None or node.op_type != "Concat" or len(node.input) != 2:
+        return None
+    if graph.inputs.get(node.input[0]) != TensorProto.FLOAT or node.output[0] not in graph.outputs:
+        return None
+    replaced.append(node)
+    return node
 
 
-def _layer_at(graph: _Graph, softmax: onnx.NodeProto) -> _Layer | None:
+def _layer_at(graph: Graph, softmax: onnx.NodeProto) -> _Layer | None:
     """The eager attention around `softmax`: Softmax(MatMul(q, Transpose(k)) * scale + bias),
     then MatMul with v; None where the pattern differs (that layer stays as it is)."""
     replaced = [softmax]
@@ -106,8 +79,8 @@ def _layer_at(graph: _Graph, softmax: onnx.NodeProto) -> _Layer | None:
         return None
     weighted = readers[0]
     replaced += [add, scaled, scores, key_t, weighted]
-    keys = graph.grown_cache(key_t.input[0], replaced)
-    values = graph.grown_cache(weighted.input[1], replaced)
+    keys = _grown_cache(graph, key_t.input[0], replaced)
+    values = _grown_cache(graph, weighted.input[1], replaced)
     if keys is None or values is None:
         return None
     return _Layer(
@@ -121,7 +94,7 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> int
     """Every layer's attention in `model` as GroupQueryAttention, in place; the number of
     layers fused. All or none: a graph where any layer's pattern differs is left as it was
     (its cache then grows by Concat, which the runtime handles too)."""
-    graph = _Graph(model.graph)
+    graph = Graph(model.graph)
     if ATTENTION_MASK not in graph.inputs:
         return 0
     layers = [_layer_at(graph, node) for node in model.graph.node if node.op_type == "Softmax"]
@@ -135,8 +108,8 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> int
     kept = [node for node in model.graph.node if id(node) not in replaced]
     del model.graph.node[:]
     model.graph.node.extend(nodes + kept)
-    _drop_unused(model.graph)
-    _topological_order(model.graph)
+    drop_unused(model.graph)
+    topological_order(model.graph)
     if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return len(layers)
@@ -158,64 +131,75 @@ def _sequence_lengths() -> list[onnx.NodeProto]:
     ]
 
 
-def _fused(graph: _Graph, layer: _Layer, index: int, num_heads: int, kv_heads: int) -> list[onnx.NodeProto]:
+def _fused(graph: Graph, layer: _Layer, index: int, num_heads: int, kv_heads: int) -> list[onnx.NodeProto]:
     """The GroupQueryAttention node of one layer, with what turns its tensors to (batch,
-    sequence, hidden) and its output back to the (batch, heads, sequence, head_dim) the graph reads."""
+    sequence, hidden) and its output back to what the graph reads."""
     prefix = f"kiln_attention_{index}"
     nodes: list[onnx.NodeProto] = []
     flat = [_flattened(graph, name, f"{prefix}_{role}", nodes) for role, name in (("q", layer.query), ("k", layer.key), ("v", layer.value))]
-    inputs = [*flat, layer.past_key, layer.past_value, _SEQLENS, _TOTAL, "", "", "", layer.bias]
+    packed = _packed(graph, flat, num_heads, kv_heads)
+    inputs = [*([packed, "", ""] if packed else flat), layer.past_key, layer.past_value, _SEQLENS, _TOTAL, "", "", "", layer.bias]
+    output = f"{prefix}_out"
     nodes.append(
         helper.make_node(
-            "GroupQueryAttention", inputs, [f"{prefix}_out", layer.present_key, layer.present_value],
+            "GroupQueryAttention", inputs, [output, layer.present_key, layer.present_value],
             name=prefix, domain="com.microsoft", num_heads=num_heads, kv_num_heads=kv_heads, scale=layer.scale,
         )
     )  # fmt: skip
-    nodes.append(helper.make_node("Constant", [], [f"{prefix}_heads"], value=numpy_helper.from_array(np.array([0, 0, num_heads, -1], np.int64))))
-    nodes.append(helper.make_node("Reshape", [f"{prefix}_out", f"{prefix}_heads"], [f"{prefix}_bshd"]))
-    nodes.append(helper.make_node("Transpose", [f"{prefix}_bshd"], [layer.output], perm=_TO_HEADS))
+    if not _merged_heads_read(graph, layer.output, output):
+        nodes.append(helper.make_node("Constant", [], [f"{prefix}_heads"], value=numpy_helper.from_array(np.array([0, 0, num_heads, -1], np.int64))))
+        nodes.append(helper.make_node("Reshape", [output, f"{prefix}_heads"], [f"{prefix}_bshd"]))
+        nodes.append(helper.make_node("Transpose", [f"{prefix}_bshd"], [layer.output], perm=_TO_HEADS))
     return nodes
 
 
-def _flattened(graph: _Graph, name: str, prefix: str, nodes: list[onnx.NodeProto]) -> str:
+def _packed(graph: Graph, flat: list[str], num_heads: int, kv_heads: int) -> str | None:
+    """The one (batch, sequence, q | k | v) tensor that q, k and v were split from (GPT-2's
+    c_attn), which GroupQueryAttention takes whole: one node less a layer, no split copies."""
+    split = graph.made_by(flat[0], "Split")
+    if split is None or list(split.output) != flat or graph.rank(split.input[0]) != 3:
+        return None
+    axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+    sizes = graph.constant(split.input[1]) if len(split.input) > 1 and split.input[1] else None
+    if axis not in (-1, 2):
+        return None
+    if sizes is None:  # equal thirds
+        return split.input[0] if num_heads == kv_heads else None
+    head_dim = int(sizes[0]) // num_heads
+    return split.input[0] if sizes.tolist() == [head_dim * num_heads, head_dim * kv_heads, head_dim * kv_heads] else None
+
+
+def _merged_heads_read(graph: Graph, heads: str, merged: str) -> bool:
+    """Where the graph reads attention's (batch, heads, sequence, head_dim) result only through
+    Transpose to (batch, sequence, heads, head_dim) and Reshapes (the export merging heads),
+    those Reshapes read GroupQueryAttention's (batch, sequence, hidden) output instead: the
+    same values in the same order. True if so; `merged`'s shape is recorded for
+    components.build.ort_linear."""
+    readers = graph.consumers.get(heads, [])
+    if len(readers) != 1 or readers[0].op_type != "Transpose" or list(attribute(readers[0], "perm")) != _TO_HEADS:
+        return False
+    transposed = readers[0].output[0]
+    views = graph.consumers.get(transposed, [])
+    if transposed in graph.outputs or not views or any(view.op_type != "Reshape" or view.input[0] != transposed for view in views):
+        return False
+    graph.rename_reads(transposed, merged)
+    shape = graph.shapes.get(transposed)
+    if shape is not None and len(shape) == 4 and all(isinstance(d, int) for d in shape[2:]):
+        graph.graph.value_info.append(helper.make_tensor_value_info(merged, TensorProto.FLOAT, [*shape[:2], shape[2] * shape[3]]))
+    return True
+
+
+def _flattened(graph: Graph, name: str, prefix: str, nodes: list[onnx.NodeProto]) -> str:
     """`name` (batch, heads, sequence, head_dim) as (batch, sequence, hidden): the tensor it
     was made from where the export transposed a (batch, sequence, hidden) view (no new
     node), else a Transpose and a Reshape."""
     transpose = graph.made_by(name, "Transpose")
-    if transpose is not None and list(transpose.attribute[0].ints) == _TO_HEADS:
+    if transpose is not None and list(attribute(transpose, "perm")) == _TO_HEADS:
         view = graph.made_by(transpose.input[0], "Reshape")
         source = view.input[0] if view is not None else None
-        if source is not None and graph.ranks.get(source) == 3:
+        if source is not None and graph.rank(source) == 3:
             return source
     nodes.append(helper.make_node("Transpose", [name], [f"{prefix}_bshd"], perm=_TO_HEADS))
     nodes.append(helper.make_node("Constant", [], [f"{prefix}_shape"], value=numpy_helper.from_array(np.array([0, 0, -1], np.int64))))
     nodes.append(helper.make_node("Reshape", [f"{prefix}_bshd", f"{prefix}_shape"], [f"{prefix}_flat"]))
     return f"{prefix}_flat"
-
-
-def _drop_unused(graph: onnx.GraphProto) -> None:
-    """Nodes whose outputs nothing reads, until none are left (the replaced layers' views)."""
-    while True:
-        read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
-        unused = [node for node in graph.node if not any(out in read for out in node.output)]
-        if not unused:
-            return
-        for node in unused:
-            graph.node.remove(node)
-
-
-def _topological_order(graph: onnx.GraphProto) -> None:
-    """ONNX wants each node after the producers of its inputs."""
-    available = {value.name for value in graph.input} | {init.name for init in graph.initializer} | {""}
-    pending, ordered = list(graph.node), []
-    while pending:
-        ready = [node for node in pending if all(name in available for name in node.input)]
-        if not ready:
-            raise ValueError(f"the fused graph has a cycle or an unproduced input at {pending[0].name or pending[0].op_type}")
-        for node in ready:
-            available.update(node.output)
-        ordered += ready
-        ready_ids = {id(node) for node in ready}
-        pending = [node for node in pending if id(node) not in ready_ids]
-    del graph.node[:]
-    graph.node.extend(ordered)
