@@ -1,18 +1,24 @@
 """Building for ONNX Runtime: the precision ONNX, rewritten for ONNX Runtime's kernels
 (attention fused: components.build.ort_attention; linear layers without 2-D views:
-components.build.ort_linear), is the engine file, packaged as an engine directory."""
+components.build.ort_linear; RMSNorm as one node: components.build.ort_norms), is the
+engine file, packaged as an engine directory."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from components.build.ort_attention import fuse_attention
 from components.build.ort_linear import read_unflattened
+from components.build.ort_norms import fuse_rms_norms
 from components.build.packaging import BackendBuild, engine_folder, package_engine
 from components.config import BuildParams, section_digest
 from components.engine_dir import EngineDir, Lineage
 from components.precision import PrecisionOnnx
+
+if TYPE_CHECKING:
+    import onnx
 
 BACKEND = "onnxruntime"
 ENGINE_FILE = "model.onnx"
@@ -36,11 +42,17 @@ def write_fused(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
     A graph whose attention does not match the export's pattern keeps the export's attention."""
     import onnx
 
-    model = onnx.load(str(graph.onnx.path))
     layout = graph.onnx.layout
-    fused = fuse_attention(model, layout.num_heads, layout.num_kv_heads)
-    if not fused:
+    model, in_place = ort_engine_graph(onnx.load(str(graph.onnx.path)), layout.num_heads, layout.num_kv_heads)
+    if not in_place:
         log.warning("%s: attention not fused (its pattern differs from the export's); the cache grows by copies", graph.onnx.path)
-    read_unflattened(model)
     onnx.save(model, str(path))
-    return {"kv_in_place": bool(fused)}
+    return {"kv_in_place": in_place}
+
+
+def ort_engine_graph(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> tuple[onnx.ModelProto, bool]:
+    """A precision graph rewritten for ONNX Runtime's kernels; whether attention was fused."""
+    fused = fuse_attention(model, num_heads, kv_heads)
+    read_unflattened(model)
+    model, _ = fuse_rms_norms(model)
+    return model, bool(fused)
