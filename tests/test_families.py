@@ -261,14 +261,15 @@ def test_each_engine_records_its_family_kv_heads_and_export_parity(engines, fami
 @pytest.mark.parametrize("family", BUILT)
 def test_each_familys_onnx_runtime_graph_computes_what_its_export_does(families, family, tmp_path):
     """Rotary embeddings applied before the cache, and two query heads a KV head
-    (transformers' repeat_kv): GroupQueryAttention reads the cache's own heads. Each RMSNorm
-    (two a layer and the last) is one ONNX Runtime node instead of the export's seven."""
+    (transformers' repeat_kv): GroupQueryAttention reads the cache's own heads, q and k
+    rotated by one RotaryEmbedding each at every row's own positions (the batch is left-padded).
+    Each RMSNorm (two a layer and the last) is one ONNX Runtime node instead of the export's seven."""
     export = exported_graph(families, family)
     model, in_place = ort_engine_graph(onnx.load(str(export)), 4, 2)
     ops = [node.op_type for node in model.graph.node]
     assert in_place and ops.count("GroupQueryAttention") == 2  # tests/model_families.SMALL: 2 layers
     assert ops.count("SimplifiedLayerNormalization") + ops.count("SkipSimplifiedLayerNormalization") == 2 * 2 + 1
-    assert "Reciprocal" not in ops
+    assert ops.count("RotaryEmbedding") == 2 * 2 and not {"Reciprocal", "Neg"} & set(ops)
     onnx.save(model, str(tmp_path / "engine.onnx"))
     assert_computes_the_same(export, tmp_path / "engine.onnx")
 

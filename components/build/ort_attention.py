@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from components.build.ort_graph import Graph, attribute, drop_unused, topological_order
+from components.build.ort_rotary import rotary_of, rotary_tables, rotated
 
 ATTENTION_MASK = "attention_mask"
 _SEQLENS = "kiln_seqlens_k"  # per row, the tokens in the cache after this call, less one
@@ -103,8 +104,9 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> int
         return 0
     replaced = {id(node) for layer in layers for node in layer.replaced}
     nodes = _sequence_lengths()
+    tables: set[str] = set()
     for index, layer in enumerate(layers):
-        nodes += _fused(graph, layer, index, num_heads, kv_heads)
+        nodes += _fused(graph, layer, index, (num_heads, kv_heads), tables)
     kept = [node for node in model.graph.node if id(node) not in replaced]
     del model.graph.node[:]
     model.graph.node.extend(nodes + kept)
@@ -131,12 +133,17 @@ def _sequence_lengths() -> list[onnx.NodeProto]:
     ]
 
 
-def _fused(graph: Graph, layer: _Layer, index: int, num_heads: int, kv_heads: int) -> list[onnx.NodeProto]:
+def _fused(graph: Graph, layer: _Layer, index: int, heads: tuple[int, int], tables: set[str]) -> list[onnx.NodeProto]:
     """The GroupQueryAttention node of one layer, with what turns its tensors to (batch,
-    sequence, hidden) and its output back to what the graph reads."""
+    sequence, hidden) and its output back to what the graph reads. `tables`: the rotary
+    tables already written (the layers share them)."""
+    num_heads, kv_heads = heads
     prefix = f"kiln_attention_{index}"
     nodes: list[onnx.NodeProto] = []
-    flat = [_flattened(graph, name, f"{prefix}_{role}", nodes) for role, name in (("q", layer.query), ("k", layer.key), ("v", layer.value))]
+    flat = [
+        _projected(graph, name, f"{prefix}_{role}", count, (nodes, tables))
+        for role, name, count in (("q", layer.query, num_heads), ("k", layer.key, kv_heads), ("v", layer.value, kv_heads))
+    ]
     packed = _packed(graph, flat, num_heads, kv_heads)
     inputs = [*([packed, "", ""] if packed else flat), layer.past_key, layer.past_value, _SEQLENS, _TOTAL, "", "", "", layer.bias]
     output = f"{prefix}_out"
@@ -187,6 +194,22 @@ def _merged_heads_read(graph: Graph, heads: str, merged: str) -> bool:
     if shape is not None and len(shape) == 4 and all(isinstance(d, int) for d in shape[2:]):
         graph.graph.value_info.append(helper.make_tensor_value_info(merged, TensorProto.FLOAT, [*shape[:2], shape[2] * shape[3]]))
     return True
+
+
+def _projected(graph: Graph, name: str, prefix: str, heads: int, written: tuple[list[onnx.NodeProto], set[str]]) -> str:
+    """`name` (batch, heads, sequence, head_dim) as (batch, sequence, hidden); where it is a
+    rotary embedding's result, the rotation applied by ONNX Runtime's operator to the
+    unrotated projection (components.build.ort_rotary)."""
+    nodes, tables = written
+    rotary = rotary_of(graph, name)
+    if rotary is None:
+        return _flattened(graph, name, prefix, nodes)
+    source = _flattened(graph, rotary.source, prefix, nodes)
+    if rotary.angles not in tables:
+        nodes += rotary_tables(rotary)
+        tables.add(rotary.angles)
+    nodes.append(rotated(source, rotary, heads, f"{prefix}_rotated"))
+    return f"{prefix}_rotated"
 
 
 def _flattened(graph: Graph, name: str, prefix: str, nodes: list[onnx.NodeProto]) -> str:

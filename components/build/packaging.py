@@ -27,7 +27,7 @@ from components.precision import PrecisionOnnx
 
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "5"  # 2: torch-cuda programs without stack traces; 3: the chat template; 4: ONNX Runtime attention fused; 5: q, k, v packed, linear layers unflattened
+STAGE_VERSION = "5"  # 2: torch-cuda programs without stack traces; 3: the chat template; 4: ONNX Runtime attention fused; 5: q, k, v packed, linear layers unflattened, RMSNorm and rotary as single nodes
 
 
 @dataclass(frozen=True)
