@@ -5,8 +5,11 @@ repeated for grouped-query heads, then MatMul, scale, mask, Softmax, MatMul. Eve
 step copies the whole cache. ONNX Runtime's GroupQueryAttention (a contrib operator with CPU
 kernels) takes past and new keys and values, and appends in place when the runtime binds
 past and present to one buffer (components.runtime.onnxruntime does). No library rewrites
-this export's pattern (onnxruntime.transformers' fusions do not match it: FACTS.md), so
-it is matched here. TensorRT cannot run the operator: only ONNX Runtime engines get it.
+this export's pattern: onnxruntime.transformers' fusions do not match it (FACTS.md), and
+onnxscript's stop at the attention scores, the cache still concatenated. So it is matched
+here, with q, k and v taken whole where one Split made them, a Llama's rotary as ONNX
+Runtime's operator (components.build.ort_rotary), and the output handed on without the
+export's head transposes. TensorRT cannot run the operator: only ONNX Runtime engines get it.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ def fuse_rms_norms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
 
     if not any(node.op_type == "Reciprocal" for node in model.graph.node):
         return model, 0
-    graph = ir.from_proto(model)
-    ShapeInferencePass()(graph)  # the rules check element types
-    fused = fuse_rms_normalization(graph)
+    ir_model = ir.from_proto(model)
+    ShapeInferencePass()(ir_model)  # the rules check element types
+    fused = fuse_rms_normalization(ir_model)
     if not fused:
         return model, 0
-    fuse_skip_rms_normalization(graph)
-    RemoveUnusedNodesPass()(graph)
-    return ir.to_proto(graph), fused
+    fuse_skip_rms_normalization(ir_model)
+    RemoveUnusedNodesPass()(ir_model)
+    return ir.to_proto(ir_model), fused
