@@ -47,9 +47,8 @@ def _without_views(graph: Graph, matmul: onnx.NodeProto) -> set[str]:
         product.append(bias.output[0])
     views = list(graph.consumers.get(product[-1], []))
     restored = [*shape[:-1], n]
-    if product[-1] in graph.outputs or not views or any(v.op_type != "Reshape" or graph.shapes.get(v.output[0]) != restored for v in views):
-        return set()
-    if any(v.output[0] in graph.outputs for v in views):
+    restores = [v.op_type == "Reshape" and graph.shapes.get(v.output[0]) == restored and v.output[0] not in graph.outputs for v in views]
+    if product[-1] in graph.outputs or not views or not all(restores):
         return set()
     matmul.input[0] = source
     for view in views:
