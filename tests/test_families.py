@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from components.build.onnxruntime import ort_engine_graph
+from components.build.ort_linear import pack_shared_inputs
 from components.config import ModelParams, PrecisionParams, RegistryParams, ShapeRange, TrainingParams
 from components.errors import ConfigError, TrainError
 from components.families import FAMILIES, shape_of
@@ -452,6 +453,22 @@ def test_onnx_runtime_runs_every_quantized_matmul_as_an_int8_kernel(llama_graphs
     ort.InferenceSession(str(tmp_path / "int8.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=QDQ_DISABLED_OPTIMIZERS)
     optimized = onnx.load(str(tmp_path / "optimized.onnx"))
     assert sum(n.op_type == "MatMulIntegerToFloat" for n in optimized.graph.node) == len(quantized)
+
+
+@pytest.mark.slow
+def test_a_llamas_q_k_v_and_its_gate_and_up_are_one_matmul_each_with_the_same_numbers(llama_graphs, tmp_path):
+    """q, k and v read one tensor, as do gate and up: in the ONNX Runtime engine each group is
+    one MatMulNBits over the weights side by side, split back into the outputs it replaced."""
+    model = onnx.ModelProto()
+    model.CopyFrom(llama_graphs["int8"])
+    matmuls = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    layers = 2  # tests/model_families.SMALL
+    assert pack_shared_inputs(model) == 5 * layers
+    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == matmuls - 3 * layers
+    assert sum(n.op_type == "Split" for n in model.graph.node) == 2 * layers
+    onnx.save(llama_graphs["int8"], str(tmp_path / "int8.onnx"))
+    onnx.save(model, str(tmp_path / "packed.onnx"))
+    assert_computes_the_same(tmp_path / "int8.onnx", tmp_path / "packed.onnx")
 
 
 def _from_weight(name: str, producers: dict, weights: set[str]) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.build.ort_attention import fuse_attention
-from components.build.ort_linear import read_unflattened
+from components.build.ort_linear import pack_shared_inputs, read_unflattened
 from components.build.ort_norms import fuse_rms_norms
 from components.build.packaging import BackendBuild, engine_folder, package_engine
 from components.config import BuildParams, section_digest
@@ -54,5 +54,6 @@ def ort_engine_graph(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> t
     """A precision graph rewritten for ONNX Runtime's kernels; whether attention was fused."""
     fused = fuse_attention(model, num_heads, kv_heads)
     read_unflattened(model)
+    pack_shared_inputs(model)
     model, _ = fuse_rms_norms(model)
     return model, bool(fused)
