@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from components.build.onnxruntime import write_fused
+from components.build.onnxruntime import write_engine_file
 from components.build.ort_attention import fuse_attention
 from components.build.ort_linear import read_unflattened
 from components.runtime.engine import left_pad
@@ -74,7 +74,7 @@ def test_an_int4_engine_takes_q_k_v_whole_and_its_linear_layers_unflattened(int4
     the product back: the engine file hands attention the unsplit tensor and each MatMulNBits
     the (batch, sequence, features) activations, and computes the same numbers."""
     engine_file = tmp_path / "model.onnx"
-    assert write_fused(int4_graph, engine_file) == {"kv_in_place": True}
+    assert write_engine_file(int4_graph, engine_file) == {"kv_in_place": True}
     graph = onnx.load(str(engine_file)).graph
     producers = {out: node.op_type for node in graph.node for out in node.output}
     attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]

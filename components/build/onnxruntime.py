@@ -1,7 +1,7 @@
 """Building for ONNX Runtime: the precision ONNX, rewritten for ONNX Runtime's kernels
-(attention fused: components.build.ort_attention; linear layers without 2-D views:
-components.build.ort_linear; RMSNorm as one node: components.build.ort_norms), is the
-engine file, packaged as an engine directory."""
+(attention and a Llama's rotary fused: components.build.ort_attention, ort_rotary; linear
+layers without 2-D views, those reading one tensor packed: ort_linear; RMSNorm as one node:
+ort_norms), is the engine file, packaged as an engine directory."""
 
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ def ort_engine_from_onnx(
 
     build = BackendBuild(BACKEND, ort.__version__, "cpu", ENGINE_FILE)
     target = engine_folder(out_root, build, graph.precision, section_digest(params.profiles)[:8], graph.onnx.sha256[:12])
-    return package_engine(target, lambda path: write_fused(graph, path), build, graph, tokenizer_dir, lineage, params.profiles)
+    return package_engine(target, lambda path: write_engine_file(graph, path), build, graph, tokenizer_dir, lineage, params.profiles)
 
 
-def write_fused(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
+def write_engine_file(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
     """The engine file at `path`; whether its cache is appended in place (for the manifest).
     A graph whose attention does not match the export's pattern keeps the export's attention."""
     import onnx

@@ -1,5 +1,5 @@
 """Lookups and clean-up over an ONNX graph, shared by the rewrites that make ONNX Runtime's
-engine graph (components.build.ort_attention, components.build.ort_linear)."""
+engine graph (components.build.ort_attention, ort_rotary and ort_linear)."""
 
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def drop_unused(graph: onnx.GraphProto) -> None:
     """Nodes whose outputs nothing reads, until none are left (what a rewrite bypassed)."""
     while True:
         read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
-        unused = [node for node in graph.node if not any(out in read for out in node.output)]
-        if not unused:
+        kept = [node for node in graph.node if any(out in read for out in node.output)]
+        if len(kept) == len(graph.node):
             return
-        for node in unused:
-            graph.node.remove(node)
+        del graph.node[:]
+        graph.node.extend(kept)
 
 
 def forget_shapes(graph: onnx.GraphProto, names: set[str]) -> None:

@@ -21,14 +21,12 @@ def read_unflattened(model: onnx.ModelProto) -> int:
     """Every MatMulNBits between such views reads the unflattened activations, in place; the
     number of layers rewritten."""
     graph = Graph(model.graph)
-    changed: set[str] = set()
-    for node in list(model.graph.node):
-        if node.op_type == "MatMulNBits":
-            changed |= _without_views(graph, node)
-    if changed:
+    changed = [_without_views(graph, node) for node in list(model.graph.node) if node.op_type == "MatMulNBits"]
+    rewritten = [names for names in changed if names]
+    if rewritten:
         drop_unused(model.graph)
-        forget_shapes(model.graph, changed)
-    return sum(node.op_type == "MatMulNBits" and node.output[0] in changed for node in model.graph.node)
+        forget_shapes(model.graph, set().union(*rewritten))
+    return len(rewritten)
 
 
 def _without_views(graph: Graph, matmul: onnx.NodeProto) -> set[str]:

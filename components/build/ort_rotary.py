@@ -85,8 +85,8 @@ def _rotated_half(graph: Graph, halves: onnx.NodeProto, source: str) -> int | No
 def rotary_tables(rotary: Rotary) -> list[onnx.NodeProto]:
     """The cos and sin tables (one row per token of this call) and each token's row, once
     for all layers that share `rotary.angles`."""
-    cos, sin, positions = table_names(rotary)
-    stem = positions.removesuffix("_positions")
+    stem = _stem(rotary)
+    cos, sin, positions = _table_names(rotary)
     width = numpy_helper.from_array(np.array([-1, rotary.half], np.int64))
     return [
         helper.make_node("Constant", [], [f"{stem}_width"], value=width),
@@ -104,12 +104,16 @@ def rotary_tables(rotary: Rotary) -> list[onnx.NodeProto]:
     ]
 
 
-def table_names(rotary: Rotary) -> tuple[str, str, str]:
-    stem = f"kiln_rotary_{rotary.angles}"
+def _stem(rotary: Rotary) -> str:
+    return f"kiln_rotary_{rotary.angles}"
+
+
+def _table_names(rotary: Rotary) -> tuple[str, str, str]:
+    stem = _stem(rotary)
     return f"{stem}_cos", f"{stem}_sin", f"{stem}_positions"
 
 
 def rotated(source: str, rotary: Rotary, heads: int, output: str) -> onnx.NodeProto:
     """RotaryEmbedding of a (batch, sequence, heads * head_dim) tensor with `rotary`'s tables."""
-    cos, sin, positions = table_names(rotary)
+    cos, sin, positions = _table_names(rotary)
     return helper.make_node("RotaryEmbedding", [source, positions, cos, sin], [output], domain="com.microsoft", interleaved=0, num_heads=heads)

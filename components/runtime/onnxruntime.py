@@ -110,7 +110,6 @@ class OrtEngine(Engine):
         self.session = None
 
 
-
 @functools.cache
 def _keep_freed_memory() -> None:
     """glibc gives freed memory at the heap's top back to the OS, and large blocks are mmapped
