@@ -285,10 +285,18 @@ class Int4Params(_Section):
     """MatMulNBits' arithmetic: 4 quantizes activations to int8 per block (int8 kernels, VNNI where present); 0 dequantizes the weights to float."""
     # The tied LM head is GPT-2's largest matrix; measured: docs/performance.md, "Measured
     # choices in the code".
-    lm_head_bits: Literal[4, 8] | None = 8
-    """Bits of the LM head's blocks (8 keeps its logits close); null: float."""
+    lm_head_bits: Literal[4, 8] | None = 4
+    """Bits of the LM head's blocks; null: float."""
+    lm_head_rescore_top: int = Field(64, ge=0)
+    """The head's highest logits per position computed again from its float weights: greedy and top-k picks (up to this many) see the float head's logits, the rest keep the blocks'; 0: none."""
 
     _block_size_is_a_power_of_two = field_validator("block_size")(_power_of_two)
+
+    @model_validator(mode="after")
+    def _rescoring_needs_a_quantized_head(self) -> Int4Params:
+        if self.lm_head_rescore_top and self.lm_head_bits is None:
+            raise ValueError("lm_head_rescore_top rescores a quantized LM head; with lm_head_bits null the head is float already: set lm_head_rescore_top to 0")
+        return self
 
 
 class Fp16Params(_Section):

@@ -29,7 +29,7 @@ from components.progress import stage_progress
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "7"  # 6: fp16 keeps RMSNorm and the rotary angles in fp32, int8 a Q/DQ pair per reader; 7: int8 blocks
+STAGE_VERSION = "8"  # 7: int8 blocks; 8: int4's LM head rescores its top logits
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,12 @@ def precision_onnx(
 
 def int4_weight_only_onnx(source: Path, params: Int4Params, output: Path) -> None:
     """Every linear layer with a constant weight as MatMulNBits (4-bit blocks, one scale per
-    `block_size` weights along the input), the LM head with `lm_head_bits`; everything else
-    as it was."""
+    `block_size` weights along the input), the LM head with `lm_head_bits` and its top
+    `lm_head_rescore_top` logits computed again from its float weights; everything else as
+    it was."""
     blocks = _Blocks(params.block_size, params.symmetric, params.accuracy_level)
-    _weight_blocks_onnx(source, output, lambda model, heads: blocks.apply(model, 4, exclude=heads), blocks, params.lm_head_bits)
+    quantize = lambda model, heads: blocks.apply(model, 4, exclude=heads)  # noqa: E731
+    _weight_blocks_onnx(source, output, quantize, blocks, params.lm_head_bits, params.lm_head_rescore_top)
 
 
 def int8_blocks_onnx(source: Path, params: Int8Params, output: Path) -> None:
@@ -112,11 +114,14 @@ def int8_blocks_onnx(source: Path, params: Int8Params, output: Path) -> None:
     _weight_blocks_onnx(source, output, lambda model, heads: blocks.apply(model, 8, exclude=nodes_kept_float(model, per_block)), blocks, None)
 
 
-def _weight_blocks_onnx(source: Path, output: Path, quantize: Callable, blocks: _Blocks, lm_head_bits: int | None) -> None:
+def _weight_blocks_onnx(
+    source: Path, output: Path, quantize: Callable, blocks: _Blocks, lm_head_bits: int | None, rescore_top: int = 0
+) -> None:
     """The graph constant-folded first, as for Q/DQ: a tied LM head's weight (a Transpose of
     the embedding) becomes an initializer that can be quantized; left float it was the
     largest read of a decode step (GPT-2-small: 154 MB of 243). Then `quantize(model, the LM
-    head's nodes)`, and the LM head with `lm_head_bits` where it was left out."""
+    head's nodes)`, the LM head with `lm_head_bits` where it was left out, and its top
+    `rescore_top` logits rescored from its float weights."""
     import logging
 
     import onnx as onnx_lib
@@ -131,8 +136,61 @@ def _weight_blocks_onnx(source: Path, output: Path, quantize: Callable, blocks: 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node otherwise
     model = quantize(model, heads)
     if lm_head_bits is not None and heads:
+        float_heads = [_FloatHead.of(model, name) for name in heads] if rescore_top else []
         model = blocks.apply(model, lm_head_bits, include=heads)
+        for head in float_heads:
+            head.rescore_top(model, rescore_top)
     onnx_lib.save(model, str(output))
+
+
+@dataclass(frozen=True)
+class _FloatHead:
+    """An LM head's MatMul before quantization: what its input and output are called and its
+    weight as rows, one per token (the tied embedding's own table where there is one)."""
+
+    hidden: str
+    logits: str
+    rows: np.ndarray  # (vocab, hidden)
+    table: str | None  # an initializer that holds `rows` already
+
+    @classmethod
+    def of(cls, model, name: str) -> _FloatHead:
+        from onnx import numpy_helper
+
+        node = next(n for n in model.graph.node if n.name == name)
+        initializers = {i.name: i for i in model.graph.initializer}
+        rows = numpy_helper.to_array(initializers[node.input[1]]).T
+        tied = [
+            i.name for i in initializers.values() if list(i.dims) == list(rows.shape) and np.array_equal(numpy_helper.to_array(i), rows)
+        ]
+        return cls(node.input[0], node.output[0], rows, tied[0] if tied else None)
+
+    def rescore_top(self, model, top: int) -> None:
+        """The quantized head's `top` highest logits of each position replaced by the float
+        weights' (TopK, their rows gathered, one small MatMul, ScatterElements), in place.
+        Greedy and top-k picks then see the float head's logits: blocks that keep the head's
+        ranking are enough, while the float head would be the step's largest read."""
+        from onnx import helper, numpy_helper
+
+        approx, stem = f"{self.logits}_quantized", f"{self.logits}_rescore"
+        at = next(i for i, n in enumerate(model.graph.node) if self.logits in n.output)
+        quantized = model.graph.node[at]
+        quantized.output[0] = approx
+        table = self.table or f"{stem}_rows"
+        if self.table is None:  # an untied head: its float rows kept beside the blocks
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(self.rows), table))
+        count = min(top, len(self.rows))
+        model.graph.initializer.extend([numpy_helper.from_array(np.array([count], np.int64), f"{stem}_k"), numpy_helper.from_array(np.array([-1], np.int64), f"{stem}_last")])
+        nodes = [
+            helper.make_node("TopK", [approx, f"{stem}_k"], [f"{stem}_values", f"{stem}_ids"], axis=-1, sorted=0, name=f"{stem}_top"),
+            helper.make_node("Gather", [table, f"{stem}_ids"], [f"{stem}_weights"], axis=0, name=f"{stem}_gather"),  # (…, top, hidden)
+            helper.make_node("Unsqueeze", [self.hidden, f"{stem}_last"], [f"{stem}_column"], name=f"{stem}_column"),  # (…, hidden, 1)
+            helper.make_node("MatMul", [f"{stem}_weights", f"{stem}_column"], [f"{stem}_product"], name=f"{stem}_matmul"),
+            helper.make_node("Squeeze", [f"{stem}_product", f"{stem}_last"], [f"{stem}_exact"], name=f"{stem}_exact"),
+            helper.make_node("ScatterElements", [approx, f"{stem}_ids", f"{stem}_exact"], [self.logits], axis=-1, name=stem),
+        ]
+        for offset, node in enumerate(nodes, start=1):
+            model.graph.node.insert(at + offset, node)
 
 
 @dataclass(frozen=True)

@@ -151,30 +151,127 @@ def test_fp16_int8_and_int4_engines_pass_their_quality_limits(project, params, t
     assert result.passed, ("int8 Q/DQ", result.measured)
 
 
-def test_int4_puts_every_linear_layer_in_4_bit_blocks_the_lm_head_in_8_and_leaves_the_rest_float(int4_graph, exported, params):
+def test_int4_puts_every_linear_layer_and_the_lm_head_in_4_bit_blocks_and_leaves_the_rest_float(int4_graph, exported, params):
     """GPT-2's linear layers are Gemms in the export: each becomes MatMulNBits (4 bits, blocks
-    of params' size) plus its bias; the tied LM head (a Transpose of the embedding, folded
-    to a constant) 8-bit blocks; LayerNorm, attention and activations stay float, and
+    of params' size) plus its bias, and so does the tied LM head (a Transpose of the
+    embedding, folded to a constant); LayerNorm, attention and activations stay float, and
     nothing is calibrated."""
     model = onnx.load(str(int4_graph.onnx.path))
     ops = [n.op_type for n in model.graph.node]
     fp32 = onnx.load(str(exported.path))
     linear = [n for n in fp32.graph.node if n.op_type == "Gemm"]
     packed = {n.name: (n, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}) for n in model.graph.node if n.op_type == "MatMulNBits"}
-    by_bits = {bits: [node for node, settings in packed.values() if settings["bits"] == bits] for bits in (4, 8)}
-    assert len(by_bits[4]) == len(linear) == 4 * exported.layout.num_layers and len(by_bits[8]) == 1 and "Gemm" not in ops
+    assert params.precision.int4.lm_head_bits == 4 and {s["bits"] for _, s in packed.values()} == {4}
+    vocab = exported.layout.vocab_size
+    (head,) = [node for node, settings in packed.values() if settings["N"] == vocab]
+    assert len(packed) == len(linear) + 1 == 4 * exported.layout.num_layers + 1 and "Gemm" not in ops
     assert all((s["block_size"], s["accuracy_level"]) == (params.precision.int4.block_size, 4) for _, s in packed.values())
-    head = by_bits[8][0]
-    assert next(d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim[-1:]) == exported.layout.vocab_size
+    assert next(d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim[-1:]) == vocab
     assert ops.count("LayerNormalization") == [n.op_type for n in fp32.graph.node].count("LayerNormalization")
     assert not {"QuantizeLinear", "DequantizeLinear"} & set(ops) and int4_graph.calibration_digest is None
     weights = {i.name: numpy_helper.to_array(i) for i in fp32.graph.initializer}
     packed_bytes = {i.name: len(i.raw_data) for i in model.graph.initializer}
     block = params.precision.int4.block_size
     padded = lambda inputs, outputs: outputs * -(-inputs // block) * block  # noqa: E731  (the last block of a row filled up)
-    assert sum(packed_bytes[n.input[1]] for n in by_bits[4]) * 2 == sum(padded(*weights[n.input[1]].shape) for n in linear)  # half a byte a weight
-    embedding = next(w for w in weights.values() if w.ndim == 2 and w.shape[0] == exported.layout.vocab_size)
-    assert packed_bytes[head.input[1]] == padded(embedding.shape[1], embedding.shape[0])  # a byte a weight
+    assert sum(packed_bytes[n.input[1]] for n, _ in packed.values() if n is not head) * 2 == sum(padded(*weights[n.input[1]].shape) for n in linear)  # half a byte a weight
+    embedding = next(w for w in weights.values() if w.ndim == 2 and w.shape[0] == vocab)
+    assert packed_bytes[head.input[1]] * 2 == padded(embedding.shape[1], embedding.shape[0])
+
+
+def head_input_and_logits(graph_path, extra_output: str | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+    """A left-padded prefill's logits at every position, and `extra_output` (a tensor inside
+    the graph, made an output for this call)."""
+    model = onnx.load(str(graph_path))
+    if extra_output:
+        model.graph.output.append(onnx.helper.make_tensor_value_info(extra_output, onnx.TensorProto.FLOAT, None))
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 256, (4, 24))
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(24), (4, 1)), "logits_positions": np.arange(24)}
+    feeds |= {p.name: np.zeros((4, p.shape[1], 0, p.shape[3]), np.float32) for p in pasts}
+    names = [o.name for o in session.get_outputs()]
+    results = dict(zip(names, session.run(None, feeds), strict=True))
+    return results.get(extra_output), results[names[0]]
+
+
+def assert_top_logits_are_exact(logits: np.ndarray, exact: np.ndarray, top: int) -> None:
+    """At least `top` logits of each position are the float head's (the rescored ones; the
+    blocks' own differ), among them the few largest and so every greedy pick."""
+    same = np.isclose(logits, exact, rtol=1e-5, atol=1e-4)
+    assert (same.sum(-1) >= top).all(), same.sum(-1).min()
+    largest = np.argsort(-logits, axis=-1)[..., : min(4, top)]
+    assert np.take_along_axis(same, largest, -1).all()
+    assert (logits.argmax(-1) == exact.argmax(-1)).all()
+
+
+def rescored_head(model: onnx.ModelProto) -> tuple[str, str]:
+    """The rescoring's float table and the head's input it multiplies."""
+    gather = next(n for n in model.graph.node if n.name.endswith("_rescore_gather"))
+    column = next(n for n in model.graph.node if n.name.endswith("_rescore_column"))
+    return gather.input[0], column.input[0]
+
+
+def test_int4s_lm_head_gives_its_top_logits_from_the_tied_embeddings_float_rows(int4_graph, exported, params, project):
+    """The 4-bit head ranks the vocabulary; its top `lm_head_rescore_top` logits of every
+    position are the float head's, read from the embedding's own table (no second copy):
+    greedy picks are the float head's picks. Without the rescoring they are not."""
+    model = onnx.load(str(int4_graph.onnx.path))
+    table, hidden_name = rescored_head(model)
+    embedding = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == table and n.input[1] != "")
+    assert not embedding.name.endswith("_rescore_gather")  # the token embedding reads the same table
+    rows = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == table))
+    hidden, logits = head_input_and_logits(int4_graph.onnx.path, hidden_name)
+    exact = hidden @ rows.T
+    assert_top_logits_are_exact(logits, exact, params.precision.int4.lm_head_rescore_top)
+    plain = precision_onnx(exported, "int4", None, params.precision.model_copy(update={"int4": params.precision.int4.model_copy(update={"lm_head_rescore_top": 0})}), project / "precision-plain")
+    assert not [n for n in onnx.load(str(plain.onnx.path)).graph.node if n.op_type == "TopK"]
+    _, blocks_only = head_input_and_logits(plain.onnx.path)
+    assert not np.allclose(blocks_only.max(-1), exact.max(-1), atol=1e-4)
+
+
+def test_an_untied_lm_head_keeps_its_float_rows_for_the_rescoring(tmp_path):
+    """A head that is no embedding's transpose (Llama 3, Qwen2 7B) has no float table in the
+    graph: the rescoring keeps its rows beside the blocks, and reads them."""
+    from onnx import TensorProto, helper
+
+    from components.config import Int4Params
+    from components.precision import int4_weight_only_onnx
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 300)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["hidden", "lm_head"], ["logits"], name="lm_head")],
+        "head",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "sequence", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", 300])],
+        [numpy_helper.from_array(weight, "lm_head")],
+    )
+    source, output = tmp_path / "head.onnx", tmp_path / "int4.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(source))
+    int4_weight_only_onnx(source, Int4Params(block_size=32, lm_head_rescore_top=8), output)
+    model = onnx.load(str(output))
+    table, _ = rescored_head(model)
+    np.testing.assert_array_equal(numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == table)), weight.T)
+    import onnxruntime as ort
+
+    hidden = rng.standard_normal((1, 200, 64)).astype(np.float32)
+    logits = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"]).run(None, {"hidden": hidden})[0]
+    assert_top_logits_are_exact(logits, hidden @ weight, 8)
+
+
+def test_rescoring_a_float_lm_head_is_refused_naming_both_settings():
+    from pydantic import ValidationError
+
+    from components.config import Int4Params
+
+    with pytest.raises(ValidationError, match="lm_head_rescore_top rescores a quantized LM head; with lm_head_bits null"):
+        Int4Params(lm_head_bits=None)
+    assert Int4Params(lm_head_bits=None, lm_head_rescore_top=0).lm_head_bits is None
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "torch-cuda"])
