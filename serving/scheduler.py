@@ -260,15 +260,15 @@ class Scheduler:
         LONE_AFTER_S (a batch's steps gain nothing from a longer turn); else as many steps
         as every running row still may take (with a full batch, the turn ends when the first
         row can leave), at most the engine's `max_turn_steps` — where the host samples, as
-        many as the lone stream's steps fit in HOST_TURN_BUDGET_S — rounded down to a power
-        of two (few graphs to capture). A row that stops early (end of text, a stop string)
-        drops the rest of its turn's tokens."""
+        many as the lone stream's steps fit in HOST_TURN_BUDGET_S; where the device samples,
+        rounded down to a power of two (few graphs to capture). A row that stops early (end
+        of text, a stop string) drops the rest of its turn's tokens."""
         if self._waiting and self._live < self.max_batch:
             return 1
         steps = min(min(r.left for r in self._running), self.engine.max_turn_steps)
-        if isinstance(self._state, DecodeState):  # the host samples
+        if isinstance(self._state, DecodeState):  # the host samples: a turn of any length, each one a message and a write
             alone = len(self._running) == 1 and time.monotonic() >= self._crowded_until
-            steps = min(steps, int(HOST_TURN_BUDGET_S / self._lone_step_s)) if alone else 1
+            return max(min(steps, int(HOST_TURN_BUDGET_S / self._lone_step_s)), 1) if alone else 1
         return 1 << (max(steps, 1).bit_length() - 1)
 
     def _room(self) -> int:
