@@ -26,6 +26,7 @@ from serving.follow import ServedEngine
 from serving.logprobs import chat_logprobs, completion_logprobs
 from serving.metrics import ServerMetrics
 from serving.scheduler import Delta, Event, Failed, Finished, QueueFull, SchedulerClosed, Sequence
+from serving.sse import LAST_EVENT
 from serving.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -382,13 +383,13 @@ async def _stream_events(job: Submitted, ready: list[str], delta, last, usage_ch
                 ready.append(last(index, event, usage))
                 if usage is not None:
                     ready.append(usage_chunk(usage))
-            if ready and job.events.empty():
+            if ready and job.events.empty() and len(finished) < len(job.sequences):  # the last ones leave with [DONE]
                 yield "".join(ready)
                 ready.clear()
     except ApiError as err:  # the headers are sent: the error travels as an event
         error = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
         ready.append(f"data: {json.dumps({'error': error})}\n\n")
-    yield "".join(ready) + "data: [DONE]\n\n"
+    yield "".join(ready) + LAST_EVENT
 
 
 class _ChunkWriter:

@@ -18,6 +18,12 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 
+# OpenAI's streams end with this event. Each ASGI send is a socket write (~90 us on loopback
+# here, the HTTP side's largest cost): the piece that ends with it also ends the body,
+# instead of an empty write of its own after it.
+LAST_EVENT = "data: [DONE]\n\n"
+
+
 class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
@@ -50,3 +56,12 @@ class EventStream(StreamingResponse):
             # Cancelled while awaiting `send`, the body's generator is left suspended and its
             # `finally` (which takes the sequences out of the batch) would wait for the GC.
             await self._events.aclose()
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for piece in self.body_iterator:
+            ended = piece.endswith(LAST_EVENT)
+            await send({"type": "http.response.body", "body": piece.encode(self.charset), "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -160,6 +160,56 @@ def test_a_raw_stream_ends_with_done(server):
     assert all(e.startswith("data: ") for e in events)
 
 
+def test_a_streams_last_piece_ends_its_body_in_the_same_write():
+    """Each ASGI send is a socket write: the piece that carries `[DONE]` also ends the body
+    (no empty write after it); a stream that ends otherwise still ends its body."""
+    import asyncio
+
+    from serving.sse import LAST_EVENT, EventStream
+
+    async def pieces(*texts: str):
+        for text in texts:
+            yield text
+
+    async def sends(stream: EventStream) -> list[tuple[bytes, bool]]:
+        messages = []
+
+        async def receive() -> dict:
+            await asyncio.sleep(60)  # the client stays to the end
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            messages.append(message)
+
+        await stream({"type": "http"}, receive, send)
+        assert messages[0]["type"] == "http.response.start"
+        return [(m["body"], m["more_body"]) for m in messages[1:]]
+
+    ended = asyncio.run(sends(EventStream(pieces("data: 1\n\n", "data: 2\n\n" + LAST_EVENT))))
+    assert ended == [(b"data: 1\n\n", True), (b"data: 2\n\n" + LAST_EVENT.encode(), False)]
+    assert asyncio.run(sends(EventStream(pieces("data: 1\n\n")))) == [(b"data: 1\n\n", True), (b"", False)]
+
+
+def test_a_requests_last_chunks_leave_with_done_in_one_piece():
+    """Chunks ready together leave together; once every choice has finished, its last chunk
+    and the usage wait for `[DONE]` (one write less a request)."""
+    import asyncio
+
+    from serving.handlers import Submitted, _stream_events
+    from serving.scheduler import Delta, Finished
+    from serving.sse import LAST_EVENT
+
+    async def pieces() -> list[str]:
+        job = Submitted([None], [], 1, asyncio.Queue(), 0.0)
+        job.events.put_nowait((0, Delta("a", 1)))
+        stream = _stream_events(job, [], lambda i, e: f"{e.text};", lambda i, e, usage: "last;", lambda usage: "usage;")
+        first = await anext(stream)
+        job.events.put_nowait((0, Finished("length", 3, 1)))
+        return [first] + [piece async for piece in stream]
+
+    assert asyncio.run(pieces()) == ["a;", "last;usage;" + LAST_EVENT]
+
+
 @pytest.mark.parametrize("text", ["plain", 'quote " backslash \\ newline \n tab \t', "é 漢字 😀", "\u2028 \x00 \x1f"])
 def test_a_streamed_delta_chunk_is_the_json_of_the_whole_chunk(text):
     """Delta chunks are put together from a prefix and the encoded text (the hot path);
