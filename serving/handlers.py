@@ -26,7 +26,6 @@ from serving.follow import ServedEngine
 from serving.logprobs import chat_logprobs, completion_logprobs
 from serving.metrics import ServerMetrics
 from serving.scheduler import Delta, Event, Failed, Finished, QueueFull, SchedulerClosed, Sequence
-from serving.sse import LAST_EVENT
 from serving.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -41,6 +40,7 @@ from serving.schemas import (
     ModelList,
     Usage,
 )
+from serving.sse import LAST_EVENT
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 

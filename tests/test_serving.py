@@ -8,6 +8,7 @@ client. What the server answers is compared with the runtime the gates drove.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -163,8 +164,6 @@ def test_a_raw_stream_ends_with_done(server):
 def test_a_streams_last_piece_ends_its_body_in_the_same_write():
     """Each ASGI send is a socket write: the piece that carries `[DONE]` also ends the body
     (no empty write after it); a stream that ends otherwise still ends its body."""
-    import asyncio
-
     from serving.sse import LAST_EVENT, EventStream
 
     async def pieces(*texts: str):
@@ -193,8 +192,6 @@ def test_a_streams_last_piece_ends_its_body_in_the_same_write():
 def test_a_requests_last_chunks_leave_with_done_in_one_piece():
     """Chunks ready together leave together; once every choice has finished, its last chunk
     and the usage wait for `[DONE]` (one write less a request)."""
-    import asyncio
-
     from serving.handlers import Submitted, _stream_events
     from serving.scheduler import Delta, Finished
     from serving.sse import LAST_EVENT
@@ -1052,8 +1049,6 @@ class SlowSteps(Engine):
 
 
 def test_time_to_first_token_records_the_first_token_not_the_whole_request(own_engine, tokenizer):
-    import asyncio
-
     from serving.handlers import Prompt, Submitted, observe
     from serving.metrics import ServerMetrics
     from serving.scheduler import Finished, Scheduler, Sequence
