@@ -161,7 +161,9 @@ class TrainingParams(_Section):
     seed: int = 0
     """Seed of initialisation and batch order."""
     threads: int | None = Field(None, ge=1)
-    """torch threads while training; null: torch's default."""
+    """torch threads while training; null: torch's default (with `reproducible`: 2)."""
+    reproducible: bool = False
+    """Train with torch's kernels held to AVX2 (ATen's CPU capability, MKL's conditional numerical reproducibility, oneDNN's ISA) and a fixed thread count, in a process of its own: the same data and params give the same model bytes on any x86-64 CPU with AVX2, at a cost in training time (docs/reproducibility.md)."""
 
 
 class ModelParams(_Section):
@@ -366,9 +368,17 @@ class QualityLimits(_Section):
     """Most the engine's perplexity may exceed the model's, in percent."""
 
 
+def _budget_holds_first_look(params):
+    if params.max_sequences < params.sequences:
+        raise ValueError(f"max_sequences ({params.max_sequences}) must be at least sequences ({params.sequences})")
+    return params
+
+
 class QualityGateParams(_Section):
     sequences: int = Field(32, ge=1)
-    """Eval-split sequences scored."""
+    """Eval-split sequences scored first; more (doubling) while an interval straddles a limit."""
+    max_sequences: int = Field(128, ge=1)
+    """The gate's budget: the most sequences it scores before an undecided verdict stays inconclusive."""
     sequence_length: int = Field(64, ge=2)
     """Tokens per scored sequence."""
     # Per precision: fp32 must match its reference; int8 may lose a little (TensorRT
@@ -380,6 +390,8 @@ class QualityGateParams(_Section):
         "int4": QualityLimits(min_top1_agreement=0.93, max_ppl_increase_pct=3.0),
     }
     """Limits per precision."""
+
+    _budget = model_validator(mode="after")(_budget_holds_first_look)
 
 
 class TextLimits(_Section):
@@ -395,10 +407,10 @@ class TextGateParams(_Section):
     """Greedy continuations of held-out prompts, by the engine and by the PyTorch model it
     came from, each scored against the held-out text that followed the prompt."""
 
-    # The drop is noisy; 512 keeps its spread well inside the limit (docs/performance.md,
-    # "The text gate's noise").
-    sequences: int = Field(512, ge=1)
-    """Held-out prompts continued by both (the drop's noise shrinks with more)."""
+    sequences: int = Field(128, ge=1)
+    """Held-out prompts continued by both first; more (doubling) while an interval straddles a limit."""
+    max_sequences: int = Field(512, ge=1)
+    """The gate's budget: the most prompts it continues before an undecided verdict stays inconclusive."""
     prompt_tokens: int = Field(16, ge=1)
     """Tokens of each prompt."""
     new_tokens: int = Field(32, ge=1)
@@ -410,6 +422,8 @@ class TextGateParams(_Section):
         "int4": TextLimits(max_rouge_l_drop_pct=5.0, max_bleu_drop_pct=5.0),
     }
     """Limits per precision."""
+
+    _budget = model_validator(mode="after")(_budget_holds_first_look)
 
 
 class LatencyGateParams(_Section):
@@ -469,6 +483,8 @@ class ChampionGateParams(_Section):
 
 
 class GateParams(_Section):
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    """How sure a sampled gate must be: each measure's interval (paired bootstrap over the sequences) at this confidence over all the gate's looks decides passed, failed or inconclusive."""
     quality: QualityGateParams = QualityGateParams()
     """Next-token agreement and perplexity against the PyTorch model."""
     text: TextGateParams = TextGateParams()

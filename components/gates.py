@@ -17,6 +17,8 @@ from components.config import GateParams, LatencyGateParams, QualityGateParams, 
 from components.data import DataVersion, split_texts
 from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import ConfigError, DataError
+from components.evidence import Evidence, Measure, sequential_evidence
+from components.metrics import load_metric
 from components.model_dir import TrainedModel
 from components.progress import stage_progress
 from components.runtime.availability import machine_description
@@ -32,7 +34,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class GateResult:
-    """One gate: what was measured, against which limits, and whether it passed."""
+    """One gate: what was measured, against which limits, and whether it passed. A gate that
+    compares on a sample of sequences (components.evidence) also gives each measure's
+    interval, decides by it, and says which measures it left undecided or out."""
 
     name: str
     passed: bool
@@ -41,12 +45,41 @@ class GateResult:
     samples_ms: tuple[float, ...] = field(default=(), repr=False)
     # How a timing gate ran (runtime, threads, process): its numbers mean nothing without it.
     conditions: dict[str, str] = field(default_factory=dict)
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    inconclusive: dict[str, str] = field(default_factory=dict)  # measure → how many sequences would settle it
+    excluded: dict[str, str] = field(default_factory=dict)  # measure → why it is left out of the verdict
+    confidence: float | None = None  # of each interval
 
     def __bool__(self) -> bool:
         return self.passed
 
+    @property
+    def verdict(self) -> str:
+        """passed, failed, or inconclusive (an interval straddles a limit, none lies beyond)."""
+        if self.passed:
+            return "passed"
+        return "inconclusive" if self.inconclusive and not any(map(self.beyond_limit, self.measured)) else "failed"
+
+    def beyond_limit(self, measure: str) -> bool:
+        """Whether `measure` breaks its limit: its whole interval where it has one, else its value."""
+        bound = _bound(measure, self.thresholds)
+        if bound is None or measure in self.excluded:
+            return False
+        key, direction = bound
+        low, high = self.intervals.get(measure, (self.measured[measure],) * 2)
+        return low > self.thresholds[key] if direction == "<=" else high < self.thresholds[key]
+
+    def shown(self, measure: str) -> str:
+        """The value, with its interval where it has one: `0.9234 [0.912, 0.937]`."""
+        value = f"{self.measured[measure]:.4g}"
+        return value + (" [{:.4g}, {:.4g}]".format(*self.intervals[measure]) if measure in self.intervals else "")
+
     def failures(self) -> list[str]:
-        return [] if self.passed else [_failure_line(self.name, self.measured, self.thresholds)]
+        if self.passed:
+            return []
+        broken = [f"{m} {self.shown(m)} (limit {limit_text(m, self.thresholds)})" for m in self.measured if self.beyond_limit(m)]
+        unsettled = [f"{m} {self.shown(m)} straddles its limit {limit_text(m, self.thresholds)}: {why}" for m, why in self.inconclusive.items()]
+        return [f"{self.name}: " + ", ".join(broken + (["inconclusive: " + "; ".join(unsettled)] if unsettled else []))]
 
 
 @dataclass(frozen=True)
@@ -57,6 +90,12 @@ class GateReport:
     @property
     def passed(self) -> bool:
         return all(self.gates)
+
+    @property
+    def verdict(self) -> str:
+        """passed; failed when a gate failed; else inconclusive (blocks the alias all the same)."""
+        verdicts = {gate.verdict for gate in self.gates}
+        return "failed" if "failed" in verdicts else "inconclusive" if "inconclusive" in verdicts else "passed"
 
     def __bool__(self) -> bool:
         return self.passed
@@ -73,31 +112,52 @@ class GateReport:
         return [line for gate in self.gates for line in gate.failures()]
 
     def flat_numbers(self) -> dict[str, float]:
-        """`gates.<gate>.<measure>` → value: the registry's tag and metric names."""
-        return {f"gates.{g.name}.{k}": v for g in self.gates for k, v in g.measured.items()}
+        """`gates.<gate>.<measure>` → value, and `<measure>_low` / `_high` → its interval:
+        the registry's tag and metric names."""
+        numbers = {}
+        for g in self.gates:
+            numbers |= {f"gates.{g.name}.{k}": v for k, v in g.measured.items()}
+            numbers |= {f"gates.{g.name}.{k}_{side}": bound for k, pair in g.intervals.items() for side, bound in zip(("low", "high"), pair, strict=True)}
+        return numbers
 
     def flat_conditions(self) -> dict[str, str]:
-        """`gates.<gate>.<condition>` → how it was measured (`gates.latency.threads`: "1")."""
-        return {f"gates.{g.name}.{k}": v for g in self.gates for k, v in g.conditions.items()}
+        """`gates.<gate>.<condition>` → how it was measured (`gates.latency.threads`: "1"),
+        and why a measure was left out of its gate's verdict (`gates.text.bleu_drop_pct.excluded`)."""
+        named = {f"gates.{g.name}.{k}": v for g in self.gates for k, v in g.conditions.items()}
+        return named | {f"gates.{g.name}.{k}.excluded": why for g in self.gates for k, why in g.excluded.items()}
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "machine": self.machine, "gates": [asdict(g) | {"samples_ms": list(g.samples_ms)} for g in self.gates]}
+        return {"passed": self.passed, "verdict": self.verdict, "machine": self.machine, "gates": [asdict(g) | {"samples_ms": list(g.samples_ms), "intervals": {k: list(v) for k, v in g.intervals.items()}} for g in self.gates]}
 
     def to_markdown(self) -> str:
-        lines = [f"# Gate report: {'PASSED' if self.passed else 'FAILED'}", "", "| gate | measure | value | limit | gate result |", "|---|---|---|---|---|"]
+        lines = [f"# Gate report: {self.verdict.upper()}", "", "| gate | measure | value | interval | limit | result |", "|---|---|---|---|---|---|"]
         for gate in self.gates:
             for measure, value in gate.measured.items():
-                limit = limit_text(measure, gate.thresholds)
-                # Words, not emoji: the MLflow UI shows this table and a browser without an
-                # emoji font draws ✅ as an empty box.
-                mark = "" if not limit else ("pass" if gate.passed else "**FAIL**")
-                lines.append(f"| {gate.name} | {measure} | {value:.6g} | {limit} | {mark} |")
+                span = "[{:.4g}, {:.4g}]".format(*gate.intervals[measure]) if measure in gate.intervals else ""
+                lines.append(f"| {gate.name} | {measure} | {value:.6g} | {span} | {limit_text(measure, gate.thresholds)} | {_mark(gate, measure)} |")
+        notes = [f"{gate.name}: {m} left out of the verdict: {why}." for gate in self.gates for m, why in gate.excluded.items()]
+        notes += [f"{gate.name}: {m} inconclusive: {why}." for gate in self.gates for m, why in gate.inconclusive.items()]
+        levels = sorted({f"{g.confidence:.4g}" for g in self.gates if g.confidence})
+        if levels:
+            notes.append(f"Intervals: paired bootstrap over the sequences, at {' / '.join(levels)} confidence each (the gates' confidence shared over their looks).")
         measured_with = [f"{gate.name}: " + ", ".join(f"{k} {v}" for k, v in gate.conditions.items()) for gate in self.gates if gate.conditions]
         if measured_with:
-            lines += ["", "Timed as served: " + "; ".join(measured_with) + "."]
+            notes.append("Timed as served: " + "; ".join(measured_with) + ".")
         if self.machine:
-            lines += ["", f"Measured on {self.machine}."]
-        return "\n".join(lines) + "\n"
+            notes.append(f"Measured on {self.machine}.")
+        return "\n".join(lines + [line for note in notes for line in ("", note)]) + "\n"
+
+
+def _mark(gate: GateResult, measure: str) -> str:
+    """A measure's own result, in words: the MLflow UI shows this table and a browser without
+    an emoji font draws ✅ as an empty box."""
+    if _bound(measure, gate.thresholds) is None:
+        return ""
+    if measure in gate.excluded:
+        return "left out"
+    if measure in gate.inconclusive:
+        return "*inconclusive*"
+    return "**FAIL**" if gate.beyond_limit(measure) else "pass"
 
 
 # Which threshold bounds which measure, and in which direction.
@@ -126,24 +186,29 @@ def _bound(measure: str, thresholds: dict[str, float]) -> tuple[str, str] | None
     return (key, direction) if key in thresholds else None
 
 
-def _failure_line(name: str, measured: dict[str, float], thresholds: dict[str, float]) -> str:
-    broken = []
-    for measure, value in measured.items():
-        bound = _bound(measure, thresholds)
-        if bound is None:
-            continue
-        key, direction = bound
-        if not (value >= thresholds[key] if direction == ">=" else value <= thresholds[key]):
-            broken.append(f"{measure} {value:.4g} (limit {direction} {thresholds[key]:g})")
-    return f"{name}: " + ", ".join(broken)
+def evidence_result(name: str, decided: Sequence[tuple[Evidence, Sequence[Measure]]], thresholds: dict[str, float], extra: dict[str, float], extra_passed: bool = True) -> GateResult:
+    """A gate's result from its sampled evidence (one or more samples, each with its
+    measures) and `extra` numbers measured otherwise, which pass or not by `extra_passed`."""
+    measured, intervals, unsettled, excluded = {}, {}, {}, {}
+    for evidence, measures in decided:
+        for measure in measures:
+            estimate = evidence.estimates[measure.name]
+            measured[measure.name], intervals[measure.name] = estimate.value, (estimate.low, estimate.high)
+            if estimate.verdict == "inconclusive" and measure.name not in evidence.excluded:
+                unsettled[measure.name] = evidence.to_settle(measure.name, measure.limit)
+        excluded |= evidence.excluded
+    passed = extra_passed and all(evidence.verdict == "passed" for evidence, _ in decided)
+    confidence = min(evidence.level for evidence, _ in decided)
+    return GateResult(name, passed, measured | extra, thresholds, intervals=intervals, inconclusive=unsettled, excluded=excluded, confidence=confidence)
 
 
 # ---------------------------------------------------------------- quality
 
 
 def eval_windows(tokenizer: EngineTokenizer, texts: list[str], params: QualityGateParams) -> np.ndarray:
-    """(sequences, sequence_length) token windows cut from the eval split, in order."""
-    return token_windows(tokenizer, texts, params.sequences, params.sequence_length)
+    """Up to the gate's budget (`max_sequences`) of `sequence_length` token windows cut from
+    the eval split, in order."""
+    return token_windows(tokenizer, texts, params.max_sequences, params.sequence_length)
 
 
 def token_windows(tokenizer: EngineTokenizer, texts: list[str], count: int, length: int) -> np.ndarray:
@@ -160,38 +225,36 @@ def token_windows(tokenizer: EngineTokenizer, texts: list[str], count: int, leng
     return windows[:count]
 
 
-def quality_gate(engine: Engine, reference, windows: np.ndarray, params: QualityGateParams, batch_size: int = 4) -> GateResult:
-    """Top-1 next-token agreement and perplexity of the engine vs the PyTorch reference."""
-    from components.metrics import load_metric
-
-    engine_argmax, reference_argmax, engine_nll, reference_nll = [], [], [], []
-    with stage_progress("quality gate", total=len(windows)) as advance:
-        for start in range(0, len(windows), batch_size):
-            batch = windows[start : start + batch_size]
-            engine_logits = engine.score(batch, np.ones_like(batch))
-            reference_logits = _reference_logits(reference, batch)
-            engine_argmax.append(engine_logits[:, :-1].argmax(-1).ravel())
-            reference_argmax.append(reference_logits[:, :-1].argmax(-1).ravel())
-            engine_nll.append(target_nll(engine_logits, batch))
-            reference_nll.append(target_nll(reference_logits, batch))
-            advance(len(batch), "")
-    agreement = load_metric("top1_agreement").compute(
-        predictions=np.concatenate(engine_argmax), references=np.concatenate(reference_argmax)
-    )["top1_agreement"]
-    perplexity = load_metric("perplexity_from_nll")
-    ppl_engine = perplexity.compute(predictions=np.concatenate(engine_nll))["perplexity"]
-    ppl_reference = perplexity.compute(predictions=np.concatenate(reference_nll))["perplexity"]
-    measured = {
-        "top1_agreement": agreement,
-        "ppl_engine": ppl_engine,
-        "ppl_reference": ppl_reference,
-        "ppl_increase_pct": 100.0 * (ppl_engine / ppl_reference - 1.0),
-        "tokens": float(sum(map(len, engine_argmax))),
-    }
+def quality_gate(engine: Engine, reference, windows: np.ndarray, params: QualityGateParams, batch_size: int = 4, confidence: float = 0.95) -> GateResult:
+    """Top-1 next-token agreement and perplexity of the engine vs the PyTorch reference, both
+    scoring the same windows; each measure decided by its paired interval over the windows
+    (components.evidence), more windows scored while one straddles its limit."""
     limits = quality_limits(params, engine.manifest.precision)
+    measures = (
+        Measure("top1_agreement", lambda s: s[..., 0] / s[..., 1], limits.min_top1_agreement, ">="),
+        Measure("ppl_increase_pct", lambda s: 100.0 * np.expm1((s[..., 2] - s[..., 3]) / s[..., 1]), limits.max_ppl_increase_pct, "<="),
+    )
+    budget = min(len(windows), params.max_sequences)
+    with stage_progress("quality gate", total=budget) as advance:
+        rows = lambda start, stop: _quality_rows(engine, reference, windows[start:stop], batch_size, advance)  # noqa: E731
+        evidence = sequential_evidence(rows, params.sequences, budget, measures, confidence)
+    agreed, positions, engine_nll, reference_nll = evidence.totals
+    extra = {"ppl_engine": float(np.exp(engine_nll / positions)), "ppl_reference": float(np.exp(reference_nll / positions)), "tokens": float(positions), "sequences": float(evidence.sequences)}
     thresholds = {"min_top1_agreement": limits.min_top1_agreement, "max_ppl_increase_pct": limits.max_ppl_increase_pct}
-    passed = agreement >= limits.min_top1_agreement and measured["ppl_increase_pct"] <= limits.max_ppl_increase_pct
-    return GateResult("quality", passed, measured, thresholds)
+    return evidence_result("quality", [(evidence, measures)], thresholds, extra)
+
+
+def _quality_rows(engine: Engine, reference, windows: np.ndarray, batch_size: int, advance: Callable[[int, str], None]) -> np.ndarray:
+    """Per window: top-1 agreements, positions scored, the engine's and the model's summed NLL."""
+    rows = []
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size]
+        engine_logits, reference_logits = engine.score(batch, np.ones_like(batch)), _reference_logits(reference, batch)
+        agreed = (engine_logits[:, :-1].argmax(-1) == reference_logits[:, :-1].argmax(-1)).sum(-1)
+        nll = [target_nll(logits, batch).reshape(len(batch), -1).sum(-1) for logits in (engine_logits, reference_logits)]
+        rows.append(np.stack([agreed, np.full(len(batch), batch.shape[1] - 1), *nll], axis=-1).astype(np.float64))
+        advance(len(batch), "")
+    return np.concatenate(rows)
 
 
 def quality_limits(params: QualityGateParams, precision: str) -> QualityLimits:
@@ -220,46 +283,82 @@ def target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
 
 
 def text_windows(tokenizer: EngineTokenizer, texts: list[str], params: TextGateParams) -> np.ndarray:
-    """(sequences, prompt_tokens + new_tokens) windows of held-out text: prompt, then what followed."""
-    return token_windows(tokenizer, texts, params.sequences, params.prompt_tokens + params.new_tokens)
+    """Up to the gate's budget (`max_sequences`) of prompt_tokens + new_tokens windows of
+    held-out text: prompt, then what followed."""
+    return token_windows(tokenizer, texts, params.max_sequences, params.prompt_tokens + params.new_tokens)
 
 
-def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np.ndarray, params: TextGateParams) -> GateResult:
+def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np.ndarray, params: TextGateParams, confidence: float = 0.95) -> GateResult:
     """ROUGE-L and BLEU of the engine's greedy continuations of held-out prompts, against the
     text that really followed each prompt (`text_windows`), beside the same scores of the
     PyTorch model it came from; the engine may fall at most the precision's limit below
-    them. Also reported: ROUGE-L of the engine's continuations against the model's (1.0
-    when they agree)."""
-    from components.metrics import load_metric
+    them, each drop decided by its paired interval over the prompts (components.evidence).
+    BLEU is left out of the verdict where its sample holds too few 4-gram matches to resolve
+    its limit. Also reported: ROUGE-L of the engine's continuations against the model's."""
+    from components.metrics.bleu import COLUMNS, bleu_from_counts
 
     limits = text_limits(params, engine.manifest.precision)  # a bad config fails before measuring
+    bleu_ours, bleu_theirs = slice(2, 2 + COLUMNS), slice(2 + COLUMNS, 2 + 2 * COLUMNS)
+    measures = (
+        Measure("rouge_l_drop_pct", lambda s: drop_pcts(s[..., 0], s[..., 1]), limits.max_rouge_l_drop_pct, "<="),
+        Measure(
+            "bleu_drop_pct",
+            lambda s: drop_pcts(bleu_from_counts(s[..., bleu_ours]), bleu_from_counts(s[..., bleu_theirs])),
+            limits.max_bleu_drop_pct,
+            "<=",
+            unresolvable=lambda s, limit: bleu_unresolvable(s[bleu_theirs], limit),
+        ),
+    )
+    written: list[tuple[str, str]] = []
+    budget = min(len(windows), params.max_sequences)
+    with stage_progress("text gate", total=budget) as advance:
+        rows = lambda start, stop: _text_rows(engine, reference, tokenizer, windows[start:stop], params, written, advance)  # noqa: E731
+        evidence = sequential_evidence(rows, params.sequences, budget, measures, confidence)
+    totals = evidence.totals
+    extra = {
+        "rouge_l": totals[0] / evidence.sequences,
+        "rouge_l_reference": totals[1] / evidence.sequences,
+        "bleu": float(bleu_from_counts(totals[bleu_ours])),
+        "bleu_reference": float(bleu_from_counts(totals[bleu_theirs])),
+        "rouge_l_vs_reference": load_metric("rouge_l").compute(predictions=[o for o, _ in written], references=[t for _, t in written])["rouge_l"],
+        "sequences": float(evidence.sequences),
+    }
+    thresholds = {"max_rouge_l_drop_pct": limits.max_rouge_l_drop_pct, "max_bleu_drop_pct": limits.max_bleu_drop_pct}
+    return evidence_result("text", [(evidence, measures)], thresholds, extra)
+
+
+def _text_rows(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np.ndarray, params: TextGateParams, written: list[tuple[str, str]], advance) -> np.ndarray:
+    """Per prompt: the engine's and the model's ROUGE-L against the held-out text, then each
+    one's BLEU counts (components.metrics.bleu). Appends (engine's, model's) text to `written`."""
     prompts, held_out = windows[:, : params.prompt_tokens], [tokenizer.decode(w[params.prompt_tokens :].tolist()) for w in windows]
-    ours, theirs = [], []
     batch = engine.manifest.profiles["context"].batch.max
     sampling = Sampling(max_new_tokens=params.new_tokens, stop_at_eos=False)
-    with stage_progress("text gate", total=len(prompts)) as advance:
-        for start in range(0, len(prompts), batch):
-            chunk = prompts[start : start + batch]
-            ours += [tokenizer.decode(ids) for ids in engine.generate(chunk.tolist(), sampling)]
-            theirs += [tokenizer.decode(ids) for ids in _reference_continuations(reference, chunk, params.new_tokens)]
-            advance(len(chunk), "")
+    ours, theirs = [], []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        ours += [tokenizer.decode(ids) for ids in engine.generate(chunk.tolist(), sampling)]
+        theirs += [tokenizer.decode(ids) for ids in _reference_continuations(reference, chunk, params.new_tokens)]
+        advance(len(chunk), "")
+    written += zip(ours, theirs, strict=True)
     rouge, bleu = load_metric("rouge_l"), load_metric("bleu")
-    rouge_ours, rouge_theirs = rouge.compute(predictions=ours, references=held_out), rouge.compute(predictions=theirs, references=held_out)
-    measured = {
-        "rouge_l": rouge_ours["rouge_l"],
-        "rouge_l_reference": rouge_theirs["rouge_l"],
-        "bleu": bleu.compute(predictions=ours, references=held_out)["bleu"],
-        "bleu_reference": bleu.compute(predictions=theirs, references=held_out)["bleu"],
-        "rouge_l_vs_reference": rouge.compute(predictions=ours, references=theirs)["rouge_l"],
-        "sequences": float(len(prompts)),
-    }
-    measured["rouge_l_drop_pct"] = drop_pct(measured["rouge_l"], measured["rouge_l_reference"])
-    measured["bleu_drop_pct"] = drop_pct(measured["bleu"], measured["bleu_reference"])
-    low, high = drop_interval(np.array(rouge_ours["rouge_l_scores"]), np.array(rouge_theirs["rouge_l_scores"]))
-    measured |= {"rouge_l_drop_pct_ci95_low": low, "rouge_l_drop_pct_ci95_high": high}
-    thresholds = {"max_rouge_l_drop_pct": limits.max_rouge_l_drop_pct, "max_bleu_drop_pct": limits.max_bleu_drop_pct}
-    passed = measured["rouge_l_drop_pct"] <= limits.max_rouge_l_drop_pct and measured["bleu_drop_pct"] <= limits.max_bleu_drop_pct
-    return GateResult("text", passed, measured, thresholds)
+    scores = [rouge.compute(predictions=texts, references=held_out)["rouge_l_scores"] for texts in (ours, theirs)]
+    counts = [bleu.compute(predictions=texts, references=held_out)["counts"] for texts in (ours, theirs)]
+    return np.concatenate([np.array(scores, np.float64).T, *counts], axis=1)
+
+
+def bleu_unresolvable(reference_counts: np.ndarray, limit: float) -> str | None:
+    """Why BLEU cannot resolve `limit` on this sample: one 4-gram match more moves it by more
+    than the limit (BLEU is a geometric mean, its 4-gram precision rests on few matches)."""
+    from components.metrics.bleu import ORDERS, bleu_from_counts
+
+    more = reference_counts.copy()
+    more[1 + ORDERS] += 1  # one more matched 4-gram
+    base = float(bleu_from_counts(reference_counts))
+    step = 100.0 * (float(bleu_from_counts(more)) / base - 1.0) if base > 0 else float("inf")
+    if step <= limit:
+        return None
+    matches = int(reference_counts[1 + ORDERS])
+    return f"the model's continuations share {matches} 4-grams with the held-out text: one match more moves BLEU by {step:.3g} %, more than its limit of {limit:g} %"
 
 
 def text_limits(params: TextGateParams, precision: str) -> TextLimits:
@@ -273,15 +372,10 @@ def drop_pct(engine_score: float, reference_score: float) -> float:
     return 100.0 * (reference_score - engine_score) / reference_score if reference_score > 0 else 0.0
 
 
-def drop_interval(engine_scores: np.ndarray, reference_scores: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """The 95 % paired-bootstrap interval of `drop_pct` over the sequences: how far the
-    sample alone moves the drop. Shown beside the verdict, which stays the measured drop
-    against the limit (docs/performance.md#the-text-gates-noise)."""
-    picks = np.random.default_rng(seed).integers(0, len(engine_scores), (resamples, len(engine_scores)))
-    ours, theirs = engine_scores[picks].mean(axis=1), reference_scores[picks].mean(axis=1)
-    drops = 100.0 * (theirs - ours) / np.where(theirs > 0, theirs, np.inf)
-    low, high = np.percentile(drops, [2.5, 97.5])
-    return float(low), float(high)
+def drop_pcts(engine_scores: np.ndarray, reference_scores: np.ndarray) -> np.ndarray:
+    """`drop_pct`, vectorised over the bootstrap's resamples."""
+    safe = np.where(reference_scores > 0, reference_scores, 1.0)
+    return np.where(reference_scores > 0, 100.0 * (reference_scores - engine_scores) / safe, 0.0)
 
 
 def _reference_continuations(reference, prompts: np.ndarray, new_tokens: int) -> list[list[int]]:
@@ -339,8 +433,8 @@ def gate_report(engine: Engine, reference, eval_texts: list[str], params: GatePa
     the engine as kiln serve runs it, with `served_threads` (serving.threads)."""
     tokenizer = EngineTokenizer(engine.engine_dir.path)
     windows = eval_windows(tokenizer, eval_texts, params.quality)
-    quality = quality_gate(engine, reference, windows, params.quality)
-    text = text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text)
+    quality = quality_gate(engine, reference, windows, params.quality, confidence=params.confidence)
+    text = text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text, params.confidence)
     latency = latency_gate_as_served(engine.engine_dir.path, latency_prompt(windows, params.latency.prompt_tokens), params.latency, served_threads)
     return GateReport((quality, text, latency), machine_description(engine.manifest.target))
 
@@ -410,13 +504,13 @@ def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[st
         return gate_report(engine, load_model(reference_path), eval_texts, params, served_threads)
 
 
-def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams) -> GateResult:
+def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams, confidence: float) -> GateResult:
     """The quality gate alone, for an engine already open (what `verify-promotion` re-runs
     on the machine it runs on)."""
     from components.model_dir import load_model
 
     windows = eval_windows(EngineTokenizer(engine.engine_dir.path), eval_texts, params)
-    return quality_gate(engine, load_model(reference_path), windows, params)
+    return quality_gate(engine, load_model(reference_path), windows, params, confidence=confidence)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,14 @@ class TrainedModel:
     eval_perplexity: float | None = None
     uniform_perplexity: float | None = None
     loss_curve: tuple[tuple[int, float], ...] = field(default=())
+    kernels: dict[str, str | int] = field(default_factory=dict)  # how torch computed while kiln trained it (components.train)
+
+    @property
+    def kernels_text(self) -> str:
+        """`reproducible (AVX2, 2 threads)`, `native (AVX512, 2 threads)`, or `none` (not trained by kiln)."""
+        if not self.kernels:
+            return "none"
+        return f"{self.kernels['mode']} ({self.kernels['cpu_capability']}, {self.kernels['threads']} threads)"
 
     @property
     def content_digest(self) -> str:
@@ -52,6 +60,7 @@ def model_from_directory(path: Path) -> TrainedModel:
         eval_perplexity=record.get("eval_perplexity"),
         uniform_perplexity=record.get("uniform_perplexity"),
         loss_curve=tuple(tuple(point) for point in record.get("loss_curve", ())),
+        kernels=record.get("kernels", {}),
     )
 
 

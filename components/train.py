@@ -27,8 +27,62 @@ def model_from_data(data: DataVersion, params: ModelParams, out_root: Path) -> T
     """Train (or load and fine-tune) a model; the result lands in a directory named by the
     content of what went in, written atomically."""
     key = f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{data.md5.removesuffix('.dir')[:12]}"
-    build = lambda staging: _train_into(staging, data, params)  # noqa: E731
-    return model_from_directory(stage_output(out_root / key, TRAINING_RECORD, build))
+    build = _train_reproducibly if params.training.reproducible and _trains(params) else _train_into
+    return model_from_directory(stage_output(out_root / key, TRAINING_RECORD, lambda staging: build(staging, data, params)))
+
+
+def _trains(params: ModelParams) -> bool:
+    return params.pretrained is None or params.training.steps > 0
+
+
+# ---------------------------------------------------------------- kernels
+
+# torch picks its CPU kernels by instruction set (ATen's vectorized code, MKL's GEMMs, oneDNN)
+# and splits its sums by thread count; each choice rounds otherwise. Held to AVX2 and a fixed
+# thread count, every x86-64 CPU with AVX2 runs the same code and sums in the same order.
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "DNNL_MAX_CPU_ISA": "AVX2"}
+PORTABLE_THREADS = 2
+
+
+def _train_reproducibly(target: Path, data: DataVersion, params: ModelParams) -> None:
+    """`_train_into` in a fresh process whose torch reads PORTABLE_KERNELS before it loads:
+    they are read once, when torch first computes, so this process's torch cannot be held."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if "avx2" not in _cpu_flags():
+        raise TrainError("model.training.reproducible holds torch's kernels to AVX2, which this CPU does not have: set it to false here")
+    threads = params.training.threads or PORTABLE_THREADS
+    held = params.model_copy(update={"training": params.training.model_copy(update={"threads": threads})})
+    environment = PORTABLE_KERNELS | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_hold_kernels, initargs=(environment,)) as process:
+        process.submit(_train_into, target, data, held).result()
+
+
+def _hold_kernels(environment: dict[str, str]) -> None:
+    import os
+    import sys
+
+    if "torch" in sys.modules:  # it would have read its settings already
+        raise TrainError("torch was imported before the reproducible training process could hold its kernels")
+    os.environ.update(environment)
+
+
+def _cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def kernels_record(reproducible: bool, threads: int) -> dict[str, str | int]:
+    """How this process's torch computes: the training record keeps it (it is part of the
+    model's identity: another choice trains other bytes)."""
+    import os
+
+    import torch
+
+    held = {name: os.environ.get(name, "") for name in PORTABLE_KERNELS} if reproducible else {}
+    return {"mode": "reproducible" if reproducible else "native", "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads} | held
 
 
 # ---------------------------------------------------------------- training
@@ -58,7 +112,7 @@ def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
         "loss_curve": curve,
         "data_md5": data.md5,
         "params": params.model_dump(mode="json"),
-    }
+    } | ({"kernels": kernels_record(params.training.reproducible, torch.get_num_threads())} if curve else {})
     (target / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -35,6 +35,7 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
         tags.GIT_COMMIT: git_commit,
         tags.PARAMS_SHA256: params.digest(),
         tags.GATES_PASSED: tags.flag(report.passed),
+        tags.GATES_VERDICT: report.verdict,
     } | ({tags.PARAMETER_COUNT: str(manifest.parameter_count)} if manifest.parameter_count else {}) | ({tags.GATES_MEASURED_ON: report.machine} if report.machine else {}) | {tags.runtime(name): value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
     if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
         named[tags.CHAMPION_GATE_PASSED] = tags.flag(against_champion.passed)
@@ -71,7 +72,7 @@ def run_record(
     return RunRecord(
         params=_flatten(params.model_dump(mode="json")),
         metrics=metrics,
-        version_tags=version_tags(params, engine, report, git_commit, against_champion) | ({tags.TRAINING_RUN_ID: training.run_id} if training else {}),
+        version_tags=version_tags(params, engine, report, git_commit, against_champion) | {tags.TRAINING_KERNELS: model.kernels_text} | ({tags.TRAINING_RUN_ID: training.run_id} if training else {}),
         description=version_description(params, model, engine, report, calibration, git_commit, champion, against_champion, training),
         artifacts=artifacts,
         datasets=tuple(datasets),
@@ -114,7 +115,7 @@ def version_description(
     """The version page in the MLflow UI (it renders markdown): the gates with their limits,
     the champion of the moment beside them, and the lineage. The registry adds the run."""
     m = engine.manifest
-    verdict = "passed" if report.passed else "**FAILED**"
+    verdict = {"passed": "passed", "inconclusive": "**INCONCLUSIVE** (not aliased: the sample did not settle a limit)"}.get(report.verdict, "**FAILED**")
     lines = [
         f"**{m.precision} engine** of `{params.registry.model_name}` · {m.backend} {m.backend_version} · `{m.target}` · gates {verdict}",
         "",
@@ -135,7 +136,7 @@ def version_description(
     perplexity = f", eval perplexity {model.eval_perplexity:.2f}" if model.eval_perplexity is not None else ""
     perplexity += f" ([training run]({training.ui_fragment}))" if training else ""
     lines += [
-        f"- model sha256 `{model.sha256[:16]}`{perplexity}",
+        f"- model sha256 `{model.sha256[:16]}`{perplexity}, trained with {model.kernels_text} kernels",
         _built_from(m) + f" → engine `{m.engine_sha256[:16]}` (profiles `{m.profiles_sha256[:16]}`)",
         f"- git commit `{git_commit[:12]}`, params sha256 `{params.digest()[:16]}`",
         "",

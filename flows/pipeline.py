@@ -183,7 +183,8 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     result = PipelineResult(outcomes, challenger, aliases_of(target), model, data, calibration, text)
     if result.failed:
         failures = "; ".join(f"{o.precision} (version {o.registration.version}): " + ", ".join(o.report.failures()) for o in result.failed)
-        raise GateFailed(f"gates failed for {failures}", result)
+        verdict = "failed" if any(o.report.verdict == "failed" for o in result.failed) else "inconclusive"
+        raise GateFailed(f"gates {verdict} for {failures}", result)
     return result
 
 
@@ -229,12 +230,12 @@ def _publish_report(precision: str, report: GateReport, against_champion: GateRe
     write_report(everything, directory)
     create_markdown_artifact(everything.to_markdown(), key=f"gate-report-{precision}", description=f"Gates of the {precision} engine")
     rows = [
-        {"gate": gate.name, "measure": measure, "value": round(value, 6), "passed": gate.passed}
+        {"gate": gate.name, "measure": measure, "value": round(value, 6), "interval": [round(b, 6) for b in gate.intervals.get(measure, ())], "verdict": gate.verdict}
         for gate in everything.gates
         for measure, value in gate.measured.items()
     ]
     create_table_artifact(rows, key=f"gate-numbers-{precision}", description=f"Every number the gates measured, {precision}")
-    get_run_logger().info("%s gates %s", precision, "passed" if report.passed else "FAILED: " + "; ".join(report.failures()))
+    get_run_logger().info("%s gates %s", precision, "passed" if report.passed else f"{report.verdict.upper()}: " + "; ".join(report.failures()))
     if against_champion is not None and not against_champion.passed:
         get_run_logger().info("%s is not a challenger: %s", precision, "; ".join(GateReport((against_champion,)).failures()))
     return directory

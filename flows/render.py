@@ -23,17 +23,26 @@ def note(text: str) -> None:
 
 
 def gate_report(report) -> None:
-    """Every measured number of every gate, with its limit; a failed gate's rows in red."""
+    """Every measured number of every gate, with its interval and limit; a failed gate's rows
+    in red, an inconclusive one's in yellow; the measures left out of a verdict, and why."""
     from components.gates import limit_text
 
     table = Table(title="gates", show_lines=False, caption=f"measured on {report.machine}" if report.machine else None)
-    for column in ("gate", "measure", "value", "limit"):
+    for column in ("gate", "measure", "value", "interval", "limit"):
         table.add_column(column)
     for gate in report.gates:
+        style = {"passed": "", "inconclusive": "yellow"}.get(gate.verdict, "red")
         for measure, value in gate.measured.items():
-            style = "" if gate.passed else "red"
-            table.add_row(gate.name, measure, f"{value:.6g}", limit_text(measure, gate.thresholds), style=style)
+            span = "[{:.4g}, {:.4g}]".format(*gate.intervals[measure]) if measure in gate.intervals else ""
+            table.add_row(gate.name, measure, f"{value:.6g}", span, limit_text(measure, gate.thresholds), style=style)
     console.print(table)
+    for gate in report.gates:
+        for measure, why in gate.excluded.items():
+            note(f"{gate.name}: {measure} is left out of the verdict: {why}")
+
+
+def _verdict_cell(verdict: str) -> str:
+    return {"passed": "[green]passed[/]", "inconclusive": "[yellow]inconclusive[/]"}.get(verdict, "[red]FAILED[/]")
 
 
 def pipeline_result(result) -> None:
@@ -52,12 +61,12 @@ def pipeline_result(result) -> None:
             f"{quality['ppl_increase_pct']:+.3f}",
             f"{latency['p50_ms']:.1f}",
             f"{latency['p95_ms']:.1f}",
-            "[green]passed[/]" if outcome.report.passed else "[red]FAILED[/]",
+            _verdict_cell(outcome.report.verdict),
             f"{reg.version} {'new' if reg.created else 'unchanged'}{alias}",
         )
     console.print(table)
     for outcome in result.failed:
-        console.print(f"[red]{outcome.precision} failed:[/] " + "; ".join(outcome.report.failures()))
+        console.print(f"[red]{outcome.precision} {outcome.report.verdict}:[/] " + "; ".join(outcome.report.failures()))
     for outcome in (o for o in result.outcomes if o.record_disagrees):
         reg, record = outcome.registration, "passed" if outcome.registration.gates_passed else "failed"
         console.print(

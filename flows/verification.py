@@ -87,7 +87,7 @@ def _quality_here(version: str, engine, lineage, params: Params, root: Path) -> 
     data_dir = root / params.data.path
     data_md5 = dvc_md5(data_dir.with_suffix(".dvc"))
     notes = () if data_md5 == lineage.data_md5 else (f"gated on data {lineage.data_md5[:12]}…, verified on the project's current data {data_md5[:12]}…",)
-    quality = quality_gate_against(engine, model.path, split_texts(data_dir, "eval"), params.gates.quality)
+    quality = quality_gate_against(engine, model.path, split_texts(data_dir, "eval"), params.gates.quality, params.gates.confidence)
     failure = None if quality.passed else "quality gate failed here: " + "; ".join(quality.failures())
     return Verification(version, quality.passed, failure, quality, data_md5, notes, machine_description(engine.manifest.target))
 

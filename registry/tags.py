@@ -36,12 +36,14 @@ PRECISION_ONNX_SHA256 = "precision_onnx_sha256"
 GIT_COMMIT = "git_commit"
 PARAMS_SHA256 = "params_sha256"
 TRAINING_RUN_ID = "training_run_id"
+TRAINING_KERNELS = "training_kernels"  # how torch computed while training: reproducible (held to AVX2) or native; "none": not trained
 RUNTIME_PREFIX = "runtime."  # runtime.<name>: the versions the engine was built with (torch, CUDA, GPU)
 
 # ---------------------------------------------------------------- version tags: the gates
 
 GATES_PREFIX = "gates."  # gates.<gate>.<measure>: the gate numbers (components.gates names them)
 GATES_PASSED = "gates.passed"  # "true" / "false": nothing is aliased or served without "true" (or a forced reason)
+GATES_VERDICT = "gates.verdict"  # passed / failed / inconclusive (an interval straddled a limit; not aliased either)
 GATES_MEASURED_ON = "gates.measured_on"  # the machine the gates ran on
 CHAMPION_GATE_PASSED = "gates.champion.passed"  # the champion gate: it decides `challenger`, not gates.passed
 

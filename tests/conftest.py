@@ -82,11 +82,12 @@ def tiny_params(root: Path, **overrides) -> Params:
         model=ModelParams(
             tokenizer=TokenizerParams(vocab_size=400),
             architecture=ArchitectureParams(n_layer=2, n_head=2, n_embd=32, n_positions=128),
-            training=TrainingParams(steps=300, batch_size=8, block_size=32, learning_rate=5e-3, warmup_steps=20, eval_batches=4, threads=1),
+            # Kernels held to AVX2: the suite's model is the same bytes on every x86-64 CPU.
+            training=TrainingParams(steps=300, batch_size=8, block_size=32, learning_rate=5e-3, warmup_steps=20, eval_batches=4, threads=1, reproducible=True),
         ),
         gates=GateParams(
-            quality=QualityGateParams(sequences=8, sequence_length=32),
-            text=TextGateParams(sequences=8, prompt_tokens=8, new_tokens=16),
+            quality=QualityGateParams(sequences=8, max_sequences=32, sequence_length=32),
+            text=TextGateParams(sequences=8, max_sequences=8, prompt_tokens=8, new_tokens=16),
             latency=LatencyGateParams(prompt_tokens=8, new_tokens=8, warmup=1, runs=3, max_p95_ms=5000),
         ),
         registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name="kiln-tiny"),

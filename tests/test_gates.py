@@ -110,7 +110,7 @@ def model_written_windows(engine_dir, reference, data_version, params, count: in
 
     tokenizer, text = EngineTokenizer(engine_dir.path), params.gates.text
     count = count or text.sequences
-    prompts = text_windows(tokenizer, data_version.texts("eval"), text.model_copy(update={"sequences": 4 * count}))[:, : text.prompt_tokens]
+    prompts = text_windows(tokenizer, data_version.texts("eval"), text.model_copy(update={"max_sequences": 4 * count}))[:, : text.prompt_tokens]
     written = np.array(_reference_continuations(reference, prompts, text.new_tokens))
     has_words = [i for i, ids in enumerate(written) if re.search(r"[a-z0-9]", tokenizer.decode(ids.tolist()).lower())][:count]
     assert len(has_words) == count, f"the model writes words after only {len(has_words)} of {len(prompts)} prompts"
@@ -152,8 +152,9 @@ def test_the_text_gate_scores_the_engines_continuations_like_the_models_when_the
     assert measured["rouge_l"] == measured["rouge_l_reference"] == measured["rouge_l_vs_reference"] == 1.0  # fp32: the same greedy text
     assert measured["bleu"] == measured["bleu_reference"] > 0  # not 1: the tiny model writes few spaces, so few 4-grams
     assert measured["rouge_l_drop_pct"] == measured["bleu_drop_pct"] == 0
-    assert measured["rouge_l_drop_pct_ci95_low"] == measured["rouge_l_drop_pct_ci95_high"] == 0  # the same text: no spread
+    assert result.intervals == {"rouge_l_drop_pct": (0.0, 0.0), "bleu_drop_pct": (0.0, 0.0)}  # the same text: no spread
     assert result.thresholds == {"max_rouge_l_drop_pct": 2.0, "max_bleu_drop_pct": 2.0}
+    assert set(result.excluded) == {"bleu_drop_pct"} and "4-grams" in result.excluded["bleu_drop_pct"]  # the tiny model writes few
     real = text_gate(engine, reference, EngineTokenizer(engine_dir.path), text_windows(EngineTokenizer(engine_dir.path), data_version.texts("eval"), params.gates.text), params.gates.text)
     assert real.passed and real.measured["rouge_l"] == real.measured["rouge_l_reference"]
 
@@ -168,23 +169,9 @@ def test_the_text_gate_fails_an_engine_that_writes_other_text_naming_the_scores(
     result = text_gate(stuck, reference, EngineTokenizer(engine_dir.path), windows, params.gates.text)
     assert not result.passed
     assert result.measured["rouge_l_vs_reference"] < 0.5 and result.measured["rouge_l_drop_pct"] > 50
-    assert result.measured["rouge_l_drop_pct_ci95_low"] <= result.measured["rouge_l_drop_pct"] <= result.measured["rouge_l_drop_pct_ci95_high"]
-    assert GateReport((result,)).failures()[0].startswith("text: rouge_l_drop_pct")
-
-
-def test_the_text_gates_interval_is_the_paired_spread_of_the_drop_over_sequences():
-    """The interval pairs each sequence's two scores: a constant shift has no spread, and
-    noisy pairs spread around the drop as a bootstrap of their means says."""
-    from components.gates import drop_interval
-
-    rng = np.random.default_rng(1)
-    theirs = rng.uniform(0.1, 0.3, 400)
-    assert drop_interval(theirs * 0.97, theirs) == pytest.approx((3.0, 3.0))
-    noisy = theirs * 0.97 + rng.normal(0, 0.05, 400)
-    low, high = drop_interval(noisy, theirs)
-    drop = drop_pct(noisy.mean(), theirs.mean())
-    assert low < drop < high and 3 < high - low < 12  # ±~1.96 standard errors of a 0.05 noise on means of 0.2
-    assert drop_interval(noisy, theirs, seed=2) != (low, high) and drop_interval(noisy, theirs) == (low, high)
+    low, high = result.intervals["rouge_l_drop_pct"]
+    assert 2.0 < low <= result.measured["rouge_l_drop_pct"] <= high  # the whole interval past the limit: failed, not inconclusive
+    assert result.verdict == "failed" and GateReport((result,)).failures()[0].startswith("text: rouge_l_drop_pct")
 
 
 def test_the_text_metrics_are_rouge_l_and_smoothed_corpus_bleu():
@@ -208,7 +195,10 @@ def test_a_precision_without_text_limits_is_a_config_error(engine, engine_dir, r
 
 from components.gates import GateReport, GateResult, fastest_passing, limit_text  # noqa: E402
 
-QUALITY_OK = GateResult("quality", True, {"top1_agreement": 0.995, "ppl_increase_pct": 0.25}, {"min_top1_agreement": 0.99, "max_ppl_increase_pct": 1.0})
+QUALITY_OK = GateResult(
+    "quality", True, {"top1_agreement": 0.995, "ppl_increase_pct": 0.25}, {"min_top1_agreement": 0.99, "max_ppl_increase_pct": 1.0},
+    intervals={"top1_agreement": (0.99, 0.998), "ppl_increase_pct": (0.1, 0.4)}, confidence=0.975,
+)  # fmt: skip
 LATENCY_SLOW = GateResult("latency", False, {"p50_ms": 12.0, "p95_ms": 31.5}, {"max_p95_ms": 30.0}, (11.0, 12.0, 31.5), {"runtime": "onnxruntime 1.32.0", "threads": "1"})
 
 
@@ -230,6 +220,10 @@ def test_a_report_passes_only_when_every_gate_does_and_flattens_to_registry_name
     assert report.flat_numbers() == {
         "gates.quality.top1_agreement": 0.995,
         "gates.quality.ppl_increase_pct": 0.25,
+        "gates.quality.top1_agreement_low": 0.99,
+        "gates.quality.top1_agreement_high": 0.998,
+        "gates.quality.ppl_increase_pct_low": 0.1,
+        "gates.quality.ppl_increase_pct_high": 0.4,
         "gates.latency.p50_ms": 12.0,
         "gates.latency.p95_ms": 31.5,
     }
@@ -237,7 +231,7 @@ def test_a_report_passes_only_when_every_gate_does_and_flattens_to_registry_name
 
 def test_the_json_report_keeps_every_number_limit_and_latency_sample():
     saved = GateReport((QUALITY_OK, LATENCY_SLOW)).to_dict()
-    assert saved["passed"] is False
+    assert saved["passed"] is False and saved["verdict"] == "failed"
     assert saved["gates"][1] == {
         "name": "latency",
         "passed": False,
@@ -245,7 +239,12 @@ def test_the_json_report_keeps_every_number_limit_and_latency_sample():
         "thresholds": {"max_p95_ms": 30.0},
         "samples_ms": [11.0, 12.0, 31.5],
         "conditions": {"runtime": "onnxruntime 1.32.0", "threads": "1"},  # what the timings mean
+        "intervals": {},  # a timing budget, not a sample of sequences
+        "inconclusive": {},
+        "excluded": {},
+        "confidence": None,
     }
+    assert saved["gates"][0]["intervals"] == {"top1_agreement": [0.99, 0.998], "ppl_increase_pct": [0.1, 0.4]}
     assert json.loads(json.dumps(saved)) == saved
 
 
@@ -253,12 +252,14 @@ def test_the_markdown_report_is_a_table_with_each_limit_and_its_verdict():
     assert GateReport((QUALITY_OK, LATENCY_SLOW)).to_markdown() == (
         "# Gate report: FAILED\n"
         "\n"
-        "| gate | measure | value | limit | gate result |\n"
-        "|---|---|---|---|---|\n"
-        "| quality | top1_agreement | 0.995 | >= 0.99 | pass |\n"
-        "| quality | ppl_increase_pct | 0.25 | <= 1 | pass |\n"
-        "| latency | p50_ms | 12 |  |  |\n"
-        "| latency | p95_ms | 31.5 | <= 30 | **FAIL** |\n"
+        "| gate | measure | value | interval | limit | result |\n"
+        "|---|---|---|---|---|---|\n"
+        "| quality | top1_agreement | 0.995 | [0.99, 0.998] | >= 0.99 | pass |\n"
+        "| quality | ppl_increase_pct | 0.25 | [0.1, 0.4] | <= 1 | pass |\n"
+        "| latency | p50_ms | 12 |  |  |  |\n"
+        "| latency | p95_ms | 31.5 |  | <= 30 | **FAIL** |\n"
+        "\n"
+        "Intervals: paired bootstrap over the sequences, at 0.975 confidence each (the gates' confidence shared over their looks).\n"
         "\n"
         "Timed as served: latency: runtime onnxruntime 1.32.0, threads 1.\n"
     )
@@ -322,14 +323,22 @@ def test_the_latency_gate_times_full_generations_after_warm_up_and_reports_perce
 
 def test_the_quality_gate_measures_every_window_reports_its_numbers_and_passes_on_its_limits(engine, reference, windows):
     flatter = FlattenedEngine(engine, 0.9)  # same argmax, a little more perplexity
-    first = quality_gate(flatter, reference, windows, QualityGateParams(sequences=8, sequence_length=32))
+    first = quality_gate(flatter, reference, windows, QualityGateParams(sequences=8, max_sequences=8, sequence_length=32))
     measured = first.measured
-    assert set(measured) == {"top1_agreement", "ppl_engine", "ppl_reference", "ppl_increase_pct", "tokens"}
-    assert measured["tokens"] == windows.shape[0] * (windows.shape[1] - 1)  # every next-token position of every window
+    assert set(measured) == {"top1_agreement", "ppl_engine", "ppl_reference", "ppl_increase_pct", "tokens", "sequences"}
+    assert measured["tokens"] == measured["sequences"] * (windows.shape[1] - 1)  # every next-token position of every window scored
     assert measured["ppl_increase_pct"] == pytest.approx(100.0 * (measured["ppl_engine"] / measured["ppl_reference"] - 1.0))
-    on_the_limits = QualityLimits(min_top1_agreement=measured["top1_agreement"], max_ppl_increase_pct=measured["ppl_increase_pct"])
-    again = quality_gate(flatter, reference, windows, QualityGateParams(sequences=8, sequence_length=32, limits={"fp32": on_the_limits}))
-    assert again.passed
+    low, high = first.intervals["ppl_increase_pct"]
+    assert 0 < low < measured["ppl_increase_pct"] < high  # windows differ: the increase spreads
+    gate = lambda ppl_limit: quality_gate(flatter, reference, windows, QualityGateParams(sequences=8, max_sequences=8, sequence_length=32, limits={"fp32": QualityLimits(min_top1_agreement=1.0, max_ppl_increase_pct=ppl_limit)}))  # noqa: E731
+    assert gate(high).passed  # the whole interval within its (inclusive) limit
+    assert gate(low - 1e-9).verdict == "failed"  # the whole interval beyond
+    unsettled = gate((measured["ppl_increase_pct"] + high) / 2)  # straddled: blocks like a failure, and says what would settle it
+    assert unsettled.verdict == "inconclusive" and not unsettled.passed
+    needed = int(re.search(r"about (\d+) sequences would settle it \(measured 8, budget 8\)", unsettled.inconclusive["ppl_increase_pct"]).group(1))
+    assert needed > 8 and "inconclusive: ppl_increase_pct" in unsettled.failures()[0]
+    on_it = gate(measured["ppl_increase_pct"])
+    assert on_it.inconclusive == {"ppl_increase_pct": "no sample size settles it: the estimate lies on the limit"}
 
 
 def test_eval_windows_are_cut_in_order_and_too_little_text_is_named(engine_dir):
@@ -338,9 +347,9 @@ def test_eval_windows_are_cut_in_order_and_too_little_text_is_named(engine_dir):
     tokenizer = EngineTokenizer(engine_dir.path)
     text = "The list type is a mutable sequence of items. " * 40
     stream = tokenizer.encode(text)
-    one = eval_windows(tokenizer, [text], QualityGateParams(sequences=1, sequence_length=len(stream)))
+    one = eval_windows(tokenizer, [text], QualityGateParams(sequences=1, max_sequences=1, sequence_length=len(stream)))
     assert one.tolist() == [stream]
-    two = eval_windows(tokenizer, [text, text], QualityGateParams(sequences=2, sequence_length=16))
+    two = eval_windows(tokenizer, [text, text], QualityGateParams(sequences=1, max_sequences=2, sequence_length=16))  # the budget's windows
     assert two.tolist() == [stream[:16], stream[16:32]] and two.dtype == np.int64
     with pytest.raises(DataError, match=f"the eval split has {len(stream)} tokens, fewer than one window of {len(stream) + 1}"):
         eval_windows(tokenizer, [text], QualityGateParams(sequences=1, sequence_length=len(stream) + 1))
@@ -411,7 +420,7 @@ def test_the_text_gate_needs_both_drops_within_their_inclusive_limits_over_sever
     from .conftest import EosAfter
 
     tokenizer = EngineTokenizer(engine_dir.path)
-    text = params.gates.text.model_copy(update={"sequences": 20})
+    text = params.gates.text.model_copy(update={"sequences": 20, "max_sequences": 20})
     windows = model_written_windows(engine_dir, reference, data_version, params, count=20)
     assert len(windows) == 20 > engine.manifest.profiles["context"].batch.max
 
@@ -420,12 +429,12 @@ def test_the_text_gate_needs_both_drops_within_their_inclusive_limits_over_sever
         stuck = EosAfter(engine, after=2, token=engine.manifest.vocab_size - 1)  # counts its calls: one per gate
         return text_gate(stuck, reference, tokenizer, windows, text.model_copy(update={"limits": limits}))
 
-    measured = gate(1000.0, 1000.0).measured
-    rouge_drop, bleu_drop = measured["rouge_l_drop_pct"], measured["bleu_drop_pct"]
-    assert measured["sequences"] == 20 and rouge_drop > 1 and bleu_drop > 1
-    assert gate(rouge_drop, bleu_drop).passed  # exactly at both limits: within
-    assert not gate(rouge_drop - 1, 1000.0).passed  # BLEU within its limit does not save it
-    assert not gate(1000.0, bleu_drop - 1).passed  # nor ROUGE-L within its
+    first = gate(1000.0, 1000.0)
+    (rouge_low, rouge_high), (bleu_low, bleu_high) = first.intervals["rouge_l_drop_pct"], first.intervals["bleu_drop_pct"]
+    assert first.measured["sequences"] == 20 and rouge_low > 1 and bleu_low > 1 and not first.excluded
+    assert gate(rouge_high, bleu_high).passed  # both whole intervals within their inclusive limits
+    assert gate(rouge_low - 0.5, 1000.0).verdict == "failed"  # BLEU within its limit does not save it
+    assert gate(1000.0, bleu_low - 0.5).verdict == "failed"  # nor ROUGE-L within its
 
 
 def test_an_eval_split_shorter_than_one_window_is_a_data_error_naming_both_lengths(engine_dir):
@@ -435,7 +444,7 @@ def test_an_eval_split_shorter_than_one_window_is_a_data_error_naming_both_lengt
     short = "a few words"
     with pytest.raises(DataError, match=f"the eval split has {len(tokenizer.encode(short))} tokens, fewer than one window of 64"):
         eval_windows(tokenizer, [short], QualityGateParams(sequences=2, sequence_length=64))
-    windows = eval_windows(tokenizer, [short * 40], QualityGateParams(sequences=2, sequence_length=8))
+    windows = eval_windows(tokenizer, [short * 40], QualityGateParams(sequences=2, max_sequences=2, sequence_length=8))
     assert windows.shape == (2, 8) and windows.dtype == np.int64
 
 

@@ -1,0 +1,125 @@
+"""Gate verdicts as statistical statements. A gate that compares an engine with a model on a
+sample of sequences measures both on the same sequences, keeps per-sequence sums (the
+sufficient statistics of each measure) and resamples the sequences in pairs: the
+bootstrap's percentile interval of each measure, against its limit, decides.
+
+- passed: the whole interval is within the limit;
+- failed: the whole interval is beyond it;
+- inconclusive: it straddles the limit. The gate then measures more sequences, up to its
+  budget; if that does not settle it, the verdict stays inconclusive and blocks the alias
+  like a failure, saying how many sequences would settle it.
+
+A gate looks at its sample up to `looks` times (first sample, then doubled), so each look's
+interval is drawn at a Bonferroni-corrected level: over all looks, an engine whose measure
+lies within its limit fails with at most 1 - confidence probability.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+Direction = Literal["<=", ">="]
+Verdict = Literal["passed", "failed", "inconclusive"]
+RESAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One measure of a gate: `statistic` maps column sums of the per-sequence table
+    (shape (..., columns)) to the measure, vectorised over the leading axis; `limit` bounds
+    it in `direction`. `unresolvable` says why a sample cannot resolve the limit at all (the
+    measure is then reported and left out of the verdict), or None."""
+
+    name: str
+    statistic: Callable[[np.ndarray], np.ndarray]
+    limit: float
+    direction: Direction
+    unresolvable: Callable[[np.ndarray, float], str | None] = lambda sums, limit: None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    low: float
+    high: float
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Every measure's estimate on the sequences measured, and the measures left out."""
+
+    estimates: dict[str, Estimate]
+    excluded: dict[str, str]  # measure → why its sample cannot resolve its limit
+    sequences: int
+    budget: int
+    level: float  # the confidence of each interval (the gate's, corrected for its looks)
+    totals: np.ndarray  # the column sums of every sequence measured
+
+    @property
+    def verdict(self) -> Verdict:
+        verdicts = {e.verdict for name, e in self.estimates.items() if name not in self.excluded}
+        return "failed" if "failed" in verdicts else "inconclusive" if "inconclusive" in verdicts else "passed"
+
+    def to_settle(self, measure: str, limit: float) -> str:
+        """How many sequences would settle an inconclusive measure: the interval narrows as
+        one over the square root of the sample."""
+        estimate = self.estimates[measure]
+        margin, half_width = abs(estimate.value - limit), (estimate.high - estimate.low) / 2
+        if margin == 0:
+            return "no sample size settles it: the estimate lies on the limit"
+        needed = math.ceil(self.sequences * (half_width / margin) ** 2)
+        return f"about {needed} sequences would settle it (measured {self.sequences}, budget {self.budget})"
+
+
+def interval(rows: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], level: float, seed: int = 0) -> tuple[float, float]:
+    """The paired bootstrap's percentile interval of `statistic` over the rows (sequences):
+    each resample draws the sequences with replacement, every column of a row together."""
+    weights = np.random.default_rng(seed).multinomial(len(rows), np.full(len(rows), 1.0 / len(rows)), size=RESAMPLES)
+    values = statistic(weights.astype(np.float64) @ rows)
+    tail = 100.0 * (1.0 - level) / 2
+    low, high = np.percentile(values, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
+def verdict_of(low: float, high: float, limit: float, direction: Direction) -> Verdict:
+    within, beyond = (high <= limit, low > limit) if direction == "<=" else (low >= limit, high < limit)
+    return "passed" if within else "failed" if beyond else "inconclusive"
+
+
+def assess(rows: np.ndarray, measures: Sequence[Measure], level: float, budget: int) -> Evidence:
+    sums = rows.sum(axis=0)
+    estimates, excluded = {}, {}
+    for measure in measures:
+        value = float(measure.statistic(sums[None])[0])
+        low, high = interval(rows, measure.statistic, level)
+        low, high = min(low, value), max(high, value)  # the estimate lies in its own interval
+        estimates[measure.name] = Estimate(value, low, high, verdict_of(low, high, measure.limit, measure.direction))
+        reason = measure.unresolvable(sums, measure.limit)
+        if reason:
+            excluded[measure.name] = reason
+    return Evidence(estimates, excluded, len(rows), budget, level, sums)
+
+
+def looks(first: int, budget: int) -> int:
+    """How many times a gate that starts with `first` sequences and doubles up to `budget` looks."""
+    return 1 + (math.ceil(math.log2(budget / first)) if budget > first else 0)
+
+
+def sequential_evidence(measure_rows: Callable[[int, int], np.ndarray], first: int, budget: int, measures: Sequence[Measure], confidence: float) -> Evidence:
+    """Measure sequences [0, first), assess; while inconclusive, measure up to twice as many
+    (never past `budget`) and assess the whole sample again. `measure_rows(start, stop)`
+    returns the per-sequence table of sequences start..stop."""
+    first = min(first, budget)
+    level = 1.0 - (1.0 - confidence) / looks(first, budget)
+    rows = measure_rows(0, first)
+    while True:
+        evidence = assess(rows, measures, level, budget)
+        if evidence.verdict != "inconclusive" or len(rows) >= budget:
+            return evidence
+        rows = np.concatenate([rows, measure_rows(len(rows), min(2 * len(rows), budget))])
