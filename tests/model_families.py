@@ -19,6 +19,24 @@ EXTRA = {
 }
 
 
+def fill_from_numpy(model, seed: int) -> None:
+    """Every weight drawn by numpy's generator (the same bytes on every CPU), as transformers
+    initialises them: normal with the config's initializer_range, biases normal(0, 0.02)
+    (zero would hide them), norms' scales kept at one. torch's own `normal_` draws other
+    numbers on a CPU without AVX-512 (its vectorised path is built for AVX2 only), so a model
+    made with it, and every gate number measured on it, would depend on the machine."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.split(".")[-2].startswith("ln_"):
+                continue
+            std = 0.02 if name.endswith(".bias") else model.config.initializer_range
+            parameter.copy_(torch.from_numpy(rng.normal(0.0, std, tuple(parameter.shape)).astype(np.float32)))
+
+
 def sentencepiece_style_tokenizer(texts: list[str], vocab_size: int = 640):
     """A SentencePiece-derived BPE as Llama 2 and TinyLlama ship it in tokenizer.json: `▁`
     for spaces, byte fallback to `<0xNN>` tokens (ordinary vocabulary entries, as there)
@@ -56,10 +74,7 @@ def random_model_dir(family: str, tokenizer, directory: Path, extra_eos: tuple[i
     eos = tokenizer.eos_token_id
     settings = SMALL | EXTRA[family] | dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos) | overrides
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **settings)).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0.0, 0.02)
+    fill_from_numpy(model, seed)
     if extra_eos:
         model.generation_config.eos_token_id = [eos, *extra_eos]
     model.save_pretrained(str(directory))

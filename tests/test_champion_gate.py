@@ -23,6 +23,8 @@ def test_an_engine_equal_to_the_champion_passes_with_every_number_side_by_side(e
     assert result.passed and result.name == "champion" and measured["champion_version"] == 7
     assert measured["nll_per_char"] == measured["nll_per_char_champion"] > 0 and measured["nll_increase_vs_champion_pct"] == 0
     assert measured["rouge_l"] == measured["rouge_l_champion"] and measured["rouge_l_drop_vs_champion_pct"] == 0
+    # Paired over the same texts: the same engine on both sides leaves no spread at all.
+    assert result.intervals == {"nll_increase_vs_champion_pct": (0.0, 0.0), "rouge_l_drop_vs_champion_pct": (0.0, 0.0)}
     assert measured["p50_ms"] > 0 and measured["p50_ms_champion"] > 0
     assert result.thresholds["max_nll_increase_vs_champion_pct"] == 1.0
 
@@ -31,7 +33,8 @@ def test_an_engine_worse_than_the_champion_fails_naming_the_measure(engine, engi
     tokenizer = EngineTokenizer(engine_dir.path)
     worse = Contender(EosAfter(engine, after=0, token=engine.manifest.vocab_size - 1), tokenizer)
     result = champion_gate(worse, Contender(engine, tokenizer), "3", data_version.texts("eval"), lenient_latency)
-    assert not result.passed and result.measured["nll_increase_vs_champion_pct"] > 100
+    assert not result.passed and result.verdict == "failed" and result.measured["nll_increase_vs_champion_pct"] > 100
+    assert result.intervals["nll_increase_vs_champion_pct"][0] > 100  # the whole interval past the 1 % limit
     assert GateReport((result,)).failures()[0].startswith("champion: nll_increase_vs_champion_pct")
 
 

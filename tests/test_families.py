@@ -282,10 +282,13 @@ def test_every_eos_id_in_generation_config_ends_generation(families, engines):
     engine_dir, second = engines["llama"], families.built["llama"].extra_eos[0]
     assert engine_dir.manifest.eos_token_ids == [engine_dir.manifest.eos_token_id, second]
     with load_engine(engine_dir.path) as engine:
-        prompt = EngineTokenizer(engine_dir.path).encode_prompt(PROMPT)
+        tokenizer = EngineTokenizer(engine_dir.path)
+        # A prompt after which the model itself writes no end of text in its first three tokens.
+        candidates = [tokenizer.encode_prompt(text) for text in (PROMPT, "A sequence of items", "The value of the", "Each object has")]
+        prompt = next(p for p in candidates if not set(engine.generate([p], Sampling(max_new_tokens=3, stop_at_eos=False))[0]) & set(engine_dir.manifest.eos_token_ids))
         stopped = EosAfter(engine, after=3, token=second).generate([prompt], Sampling(max_new_tokens=20))[0]
         assert len(stopped) == 3 and second not in stopped
-        assert served_tokens(EosAfter(engine, after=3, token=second), EngineTokenizer(engine_dir.path), prompt) == (stopped, "stop")
+        assert served_tokens(EosAfter(engine, after=3, token=second), tokenizer, prompt) == (stopped, "stop")
 
 
 def served_tokens(engine, tokenizer, prompt: list[int]) -> tuple[list[int], str]:

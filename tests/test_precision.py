@@ -300,6 +300,7 @@ def int8_quality(name, settings, calibration, project, params, tiny_model, expor
 def test_the_gate_stops_a_badly_made_int8_engine(variant, project, params, tiny_model, exported, data_version, calibration, reference, windows):
     # One token repeated in one-token prompts, no decode steps: the activation ranges of real
     # text are never seen. "nothing-float": every op quantized, the residual stream included.
+    windows = windows[: params.gates.quality.sequences]  # one batch of the engine's profile
     bad_set = dataclasses.replace(calibration, digest="unrepresentative", prompts=((7,),) * 8, decode_steps=0)
     everything = Int8Params(
         calibration_method="minmax",
@@ -324,6 +325,7 @@ def test_unrepresentative_calibration_costs_quality_that_the_gate_measures(proje
     0.992 on one machine, 0.980 vs 0.984 on another)."""
     import torch
 
+    windows = windows[: params.gates.quality.sequences]  # one batch of the engine's profile
     bad_set = dataclasses.replace(calibration, digest="unrepresentative", prompts=((7,),) * 8, decode_steps=0)
     settings = qdq(Int8Params(calibration_method="minmax"))
     engines = {name: int8_engine(name, settings, chosen, project, params, tiny_model, exported, data_version) for name, chosen in (("curated-minmax", calibration), ("unrepresentative", bad_set))}
