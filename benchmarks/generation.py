@@ -18,7 +18,7 @@ from typing import get_args
 
 import numpy as np
 
-from components.config import Precision
+from components.config import TORCH_CUDA_ONLY_PRECISIONS, Precision
 from components.errors import KilnError
 from components.progress import stage_progress
 
@@ -34,6 +34,8 @@ SHAPES = {"gpt2-small": GPT2_SMALL, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}
 # `--precisions` names beside the precisions: int8 in TensorRT's Q/DQ form, run by ONNX
 # Runtime, to time it against ONNX Runtime's own int8 (weight blocks) in one run.
 VARIANTS = {"int8-qdq": ("int8", "qdq")}
+# The CPU bench times ONNX Runtime engines: bf16 is the torch-cuda backend's alone.
+ORT_PRECISIONS = [p for p in get_args(Precision) if p not in TORCH_CUDA_ONLY_PRECISIONS]
 
 
 @dataclass(frozen=True)
@@ -192,8 +194,8 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
     engines = {}
     for name in precisions:
         precision, scheme = VARIANTS.get(name, (name, "auto"))
-        if precision not in get_args(Precision):
-            raise KilnError(f"--precisions: {name!r} is not one of {', '.join([*get_args(Precision), *VARIANTS])}")
+        if precision not in ORT_PRECISIONS:
+            raise KilnError(f"--precisions: {name!r} is not one of {', '.join([*ORT_PRECISIONS, *VARIANTS])}")
         variant = settings.model_copy(update={"int8": settings.int8.model_copy(update={"scheme": scheme})})
         graph = precision_onnx(onnx, precision, calibration, variant, work / "precision")
         engines[name] = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work).path

@@ -213,9 +213,16 @@ class ProfileParams(_Section):
     """Total context (past + new tokens) during generation."""
 
 
-Precision = Literal["fp32", "fp16", "int8", "int4"]
-TORCH_CUDA_PRECISIONS = ("fp32", "fp16")  # what the torch-cuda backend builds (no int8 program)
+Precision = Literal["fp32", "fp16", "bf16", "int8", "int4"]
+TORCH_CUDA_PRECISIONS = ("fp32", "fp16", "bf16")  # what the torch-cuda backend builds (no int8 program)
 ORT_ONLY_PRECISIONS = ("int4",)  # graphs of ONNX Runtime's own operators (MatMulNBits)
+# Made by the torch-cuda build from the model, with no precision ONNX of their own.
+TORCH_CUDA_ONLY_PRECISIONS = ("bf16",)
+# Why the other backends cannot build them (measured: ONNX Runtime 1.32 finds no CPU MatMul for bf16).
+NOT_TORCH_CUDA = {
+    "onnxruntime": "ONNX Runtime's CPU provider has no bf16 MatMul kernel",
+    "tensorrt": "kiln's TensorRT engines are built from the precision ONNX, and the precision stage makes no bf16 graph",
+}
 
 
 class KeepFloatParams(_Section):
@@ -310,7 +317,7 @@ class Fp16Params(_Section):
 
 class PrecisionParams(_Section):
     build: list[Precision] = Field(default_factory=lambda: ["fp32", "int8"], min_length=1)
-    """The precisions each run builds, gates and registers."""
+    """The precisions each run builds, gates and registers (bf16: torch-cuda only)."""
     int8: Int8Params = Int8Params()
     """int8: 8-bit weight blocks (ONNX Runtime) or static Q/DQ quantization (TensorRT)."""
     int4: Int4Params = Int4Params()
@@ -386,6 +393,9 @@ class QualityGateParams(_Section):
     limits: dict[Precision, QualityLimits] = {
         "fp32": QualityLimits(min_top1_agreement=0.99, max_ppl_increase_pct=1.0),
         "fp16": QualityLimits(min_top1_agreement=0.98, max_ppl_increase_pct=1.5),
+        # bf16 keeps 8 significant bits to fp16's 11: 8x the rounding, so more near-ties flip
+        # (top-1 as int8's); unbiased rounding moves perplexity little (fp16's limit).
+        "bf16": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=1.5),
         "int8": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0),
         "int4": QualityLimits(min_top1_agreement=0.93, max_ppl_increase_pct=3.0),
     }
@@ -418,6 +428,7 @@ class TextGateParams(_Section):
     limits: dict[Precision, TextLimits] = {
         "fp32": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "fp16": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
+        "bf16": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "int8": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "int4": TextLimits(max_rouge_l_drop_pct=5.0, max_bleu_drop_pct=5.0),
     }
@@ -694,14 +705,17 @@ class Params(_Section):
 
     @model_validator(mode="after")
     def _backends_build_their_precisions(self) -> Params:
-        """torch-cuda has no int8 or int4 form, TensorRT no int4: say so before any work, not at
-        the build stage."""
+        """torch-cuda has no int8 or int4 form, TensorRT no int4, only torch-cuda has bf16: say
+        so before any work, not at the build stage."""
         asked = [("build.backend", self.build.backend, "precision.build", self.precision.build)]
         asked += [(f"pool.targets.{name}.backend", t.backend, f"pool.targets.{name}.precisions", t.precisions) for name, t in self.pool.targets.items()]
         for backend_key, backend, precisions_key, precisions in asked:
             other = [p for p in precisions if p not in TORCH_CUDA_PRECISIONS]
             if backend == "torch-cuda" and other:
-                raise ValueError(f"{backend_key} torch-cuda builds {' and '.join(TORCH_CUDA_PRECISIONS)}; {precisions_key} has {', '.join(other)} (auto builds {', '.join(other)} on ONNX Runtime)")
+                raise ValueError(f"{backend_key} torch-cuda builds {', '.join(TORCH_CUDA_PRECISIONS)}; {precisions_key} has {', '.join(other)} (auto builds {', '.join(other)} on ONNX Runtime)")
+            torch_only = [p for p in precisions if p in TORCH_CUDA_ONLY_PRECISIONS]
+            if backend in NOT_TORCH_CUDA and torch_only:
+                raise ValueError(f"{backend_key} {backend} cannot build {', '.join(torch_only)} ({precisions_key}): {NOT_TORCH_CUDA[backend]} (torch-cuda builds it, and auto on a CUDA GPU)")
             ort_only = [p for p in precisions if p in ORT_ONLY_PRECISIONS or (p == "int8" and self.precision.int8.scheme == "blocks")]
             if backend == "tensorrt" and ort_only:
                 qdq = "; TensorRT builds int8 from Q/DQ: precision.int8.scheme qdq or auto" if "int8" in ort_only else ""

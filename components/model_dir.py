@@ -87,6 +87,21 @@ def read_config(path: Path) -> dict:
     return config
 
 
+# The float dtypes a model directory's weights are loaded in, as config.json names them.
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def stored_dtype(path: Path) -> str:
+    """The dtype a model directory's weights were saved in, as its config.json records it
+    (`dtype`; `torch_dtype` in configs older transformers saved, most of the Hub's);
+    float32 where it records none (GPT-2's own config predates the key)."""
+    config = read_config(path)
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in MODEL_DTYPES:
+        raise TrainError(f"model directory {path}: config.json's dtype is {dtype!r}; kiln loads {', '.join(MODEL_DTYPES)}")
+    return dtype
+
+
 def load_model(path: Path):
     """The PyTorch model of a model directory, in eval mode; TrainError if it cannot load."""
     from transformers import AutoModelForCausalLM

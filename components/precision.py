@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from components.calibrate import CalibrationSet
-from components.config import Fp16Params, Int4Params, Int8Params, PrecisionParams, section_digest
+from components.config import TORCH_CUDA_ONLY_PRECISIONS, Fp16Params, Int4Params, Int8Params, PrecisionParams, section_digest
 from components.engine_dir import LOGITS_POSITIONS
 from components.errors import BuildError
 from components.export import ExportedOnnx
@@ -58,9 +58,10 @@ def precision_onnx(
     onnx: ExportedOnnx, precision: str, calibration: CalibrationSet | None, params: PrecisionParams, out_root: Path
 ) -> PrecisionOnnx:
     """int8's `auto` scheme is taken as ONNX Runtime's (blocks): the pipeline resolves it for
-    the engine's backend first (`PrecisionParams.for_backend`)."""
-    if precision == "fp32":
-        return PrecisionOnnx(onnx=onnx, precision="fp32", fp32_sha256=onnx.sha256)
+    the engine's backend first (`PrecisionParams.for_backend`). bf16 has no graph: the
+    torch-cuda build makes it from the model (the fp32 export stands in, as for fp32)."""
+    if precision in ("fp32", *TORCH_CUDA_ONLY_PRECISIONS):
+        return PrecisionOnnx(onnx=onnx, precision=precision, fp32_sha256=onnx.sha256)
     params = params.for_backend("onnxruntime")  # a scheme other than auto stays as it is
     calibrated = precision == "int8" and params.int8.scheme == "qdq"
     if calibrated and calibration is None:

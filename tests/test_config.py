@@ -79,14 +79,43 @@ def test_a_serving_gate_scenario_past_the_profiles_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("build:\n  backend: torch-cuda\n", "build.backend torch-cuda builds fp32 and fp16; precision.build has int8 (auto builds int8 on ONNX Runtime)"),
-        ("pool:\n  targets:\n    gpu: {backend: torch-cuda, precisions: [fp16, int8]}\n", "pool.targets.gpu.backend torch-cuda builds fp32 and fp16; pool.targets.gpu.precisions has int8"),
+        ("build:\n  backend: torch-cuda\n", "build.backend torch-cuda builds fp32, fp16, bf16; precision.build has int8 (auto builds int8 on ONNX Runtime)"),
+        ("pool:\n  targets:\n    gpu: {backend: torch-cuda, precisions: [fp16, int8]}\n", "pool.targets.gpu.backend torch-cuda builds fp32, fp16, bf16; pool.targets.gpu.precisions has int8"),
     ],
 )
 def test_torch_cuda_asked_for_int8_is_a_config_error_before_any_work(tmp_path, text, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_params(write(tmp_path, text))
     assert load_params(write(tmp_path, text.replace("int8", "fp32") if "pool" in text else text + "precision:\n  build: [fp16]\n"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("build:\n  backend: onnxruntime\n", "build.backend onnxruntime cannot build bf16 (precision.build): ONNX Runtime's CPU provider has no bf16 MatMul kernel"),
+        ("build:\n  backend: tensorrt\n", "build.backend tensorrt cannot build bf16 (precision.build): kiln's TensorRT engines are built from the precision ONNX, and the precision stage makes no bf16 graph"),
+    ],
+)
+def test_bf16_asked_of_a_backend_other_than_torch_cuda_is_named_with_the_reason(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_params(write(tmp_path, text + "precision:\n  build: [fp16, bf16]\n"))
+    with pytest.raises(ConfigError, match=re.escape("pool.targets.gpu.backend onnxruntime cannot build bf16 (pool.targets.gpu.precisions)")):
+        load_params(write(tmp_path, "pool:\n  targets:\n    gpu: {precisions: [bf16]}\n"))  # a target's backend defaults to onnxruntime
+
+
+def test_bf16_is_a_precision_of_torch_cuda_and_auto_with_limits_of_its_own(tmp_path):
+    for backend in ("torch-cuda", "auto"):
+        params = load_params(write(tmp_path, f"build:\n  backend: {backend}\nprecision:\n  build: [bf16, fp16]\n"))
+        assert params.precision.build == ["bf16", "fp16"]
+    # Limits of its own in the defaults, in the shipped params.yaml, and settable like the others'.
+    for shipped in (Params(), load_params(REPO / "params.yaml")):
+        assert shipped.gates.quality.limits["bf16"].min_top1_agreement == 0.97 and shipped.gates.text.limits["bf16"].max_bleu_drop_pct == 2.0
+        assert shipped.gates.quality.limits["bf16"].max_ppl_increase_pct == shipped.gates.quality.limits["fp16"].max_ppl_increase_pct
+    assert Params().gates.quality.limits["bf16"].min_top1_agreement <= Params().gates.quality.limits["fp16"].min_top1_agreement
+    limits = "gates:\n  quality:\n    limits:\n      bf16: {min_top1_agreement: 0.95, max_ppl_increase_pct: 2.0}\n"
+    assert load_params(write(tmp_path, limits)).gates.quality.limits["bf16"].min_top1_agreement == 0.95
+    with pytest.raises(ConfigError, match="precision.build.0: Input should be 'fp32', 'fp16', 'bf16', 'int8' or 'int4'"):
+        load_params(write(tmp_path, "precision:\n  build: [bfloat16]\n"))
 
 
 def test_int4_asked_of_tensorrt_and_a_block_size_that_is_no_power_of_two_are_named(tmp_path):

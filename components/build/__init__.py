@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.build.packaging import STAGE_VERSION
-from components.config import ORT_ONLY_PRECISIONS, TORCH_CUDA_PRECISIONS, BuildParams
+from components.config import NOT_TORCH_CUDA, ORT_ONLY_PRECISIONS, TORCH_CUDA_ONLY_PRECISIONS, TORCH_CUDA_PRECISIONS, BuildParams
 from components.data import DataVersion
 from components.engine_dir import EngineDir, Lineage
 from components.errors import BackendUnavailable, BuildError
@@ -34,14 +34,21 @@ def timing_cache_of(params: BuildParams, project_root: Path) -> Path:
 def resolve_backend(requested: str, precision: str = "fp32", ort_only: bool = False) -> str:
     """The backend that builds `precision`. `auto` is TensorRT where it imports and an NVIDIA
     GPU is present; else torch-cuda where torch sees a CUDA GPU, for the precisions it has
-    (fp32, fp16; int8 stays on ONNX Runtime); else ONNX Runtime. int4, and graphs of ONNX
-    Runtime's own operators (`ort_only`: int8 blocks), are ONNX Runtime's alone."""
+    (fp32, fp16, bf16; int8 stays on ONNX Runtime); else ONNX Runtime. int4, and graphs of ONNX
+    Runtime's own operators (`ort_only`: int8 blocks), are ONNX Runtime's alone; bf16 is
+    torch-cuda's alone, with TensorRT present too."""
     from components.runtime.availability import tensorrt_ready, torch_cuda_ready
 
     if ort_only or precision in ORT_ONLY_PRECISIONS:
         if requested not in ("auto", "onnxruntime"):
             raise BuildError(f"{precision} engines run ONNX Runtime's MatMulNBits; build.backend {requested} cannot build them (use auto or onnxruntime)")
         return "onnxruntime"
+    if precision in TORCH_CUDA_ONLY_PRECISIONS:
+        if requested in NOT_TORCH_CUDA:
+            raise BuildError(f"{precision} engines are built by torch-cuda alone; build.backend {requested} cannot build them: {NOT_TORCH_CUDA[requested]} (use auto or torch-cuda)")
+        if not (answer := torch_cuda_ready())[0]:
+            raise BackendUnavailable(f"{precision} engines are built by torch-cuda alone, but {answer[1]}")
+        return "torch-cuda"
     if requested == "auto":
         if tensorrt_ready()[0]:
             return "tensorrt"

@@ -6,7 +6,9 @@ prefill, decode and scoring; the caches are mutated inputs), with the batch,
 token count, attended length and picked positions dynamic and the cache's shape fixed by
 the profile (slots = the batch profile's max, context = the context profile's max). It is
 built from the Hugging Face model directory, not from the precision ONNX: the dtype (fp32,
-fp16, bf16) is the program's weights, and int8 has no torch-cuda form.
+fp16, bf16) is the program's weights, and int8 has no torch-cuda form. The model is loaded
+in the dtype it was saved in (an 8B bf16 model takes 16 GB of host memory, not fp32's 32)
+and cast on the device, layer by layer.
 
 `engine.json` records torch's and CUDA's versions and the GPU architecture the program
 was built on (`sm_90`), or `cpu` for a program built without CUDA (kiln's CPU tests);
@@ -27,7 +29,7 @@ from components.engine_dir import MANIFEST, TOKENIZER_FILES, EngineDir, EngineMa
 from components.errors import BuildError
 from components.families import shape_of
 from components.files import file_sha256, stage_output
-from components.model_dir import eos_token_ids
+from components.model_dir import eos_token_ids, stored_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -35,10 +37,14 @@ if TYPE_CHECKING:
 BACKEND = "torch-cuda"
 ENGINE_FILE = "model.pt2"
 PROGRAM_INPUTS = ["input_ids", "positions", "attn_bias", "picked", "k_cache", "v_cache"]
-DTYPES = {"fp32": "float32", "fp16": "float16"}  # bf16 measured no faster and less exact (benchmarks/gpu_static_kv/REPORT.md)
-# Largest logit difference from the fp32 PyTorch model that a build accepts: fp32 differs by
-# summation order only, fp16 by its rounding (3.3e-3 measured on the H200 for GPT-2 small).
-PARITY_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
+# bf16 measured no faster than fp16 and less exact (benchmarks/gpu_static_kv/REPORT.md), but
+# it is the dtype Llama 3 and Qwen2.5 are published in: their own rounding, and fp16's range.
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# Largest logit difference from the PyTorch model that a build accepts: fp32 differs by
+# summation order only, fp16 by its rounding (3.3e-3 measured on the H200 for GPT-2 small),
+# bf16 by 8x fp16's (8 significant bits to 11), so 8x its tolerance. A model saved in bf16
+# computes in bf16 itself, and its tolerance is added (parity_tolerance).
+PARITY_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 0.4}
 
 
 def torch_target(device: str) -> str:
@@ -76,7 +82,7 @@ def torch_engine_from_model(
     target = engine_folder(out_root, build, precision, *identity)
 
     def fill(staging: Path) -> None:
-        hf = _hf_model(model_dir)
+        hf = hf_model(model_dir)
         _check_full_attention(hf.config, profiles)
         program, parity = _export_checked(hf, precision, profiles, device)
         _drop_stack_traces(program)
@@ -105,21 +111,31 @@ def _check_full_attention(config, profiles: ProfileParams) -> None:
         raise BuildError(f"the model attends within a sliding window of {window} tokens, shorter than build.profiles.context.max ({profiles.context.max}); the torch-cuda program attends to the whole context")
 
 
-def _hf_model(model_dir: Path):
+def hf_model(model_dir: Path):
+    """The Hugging Face model on the host in the dtype it was saved in: a bf16 model is never
+    copied to fp32, and an fp32 model stays the exact reference the parity check needs."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored_dtype(model_dir)).eval()
+
+
+def parity_tolerance(precision: str, source_dtype: str) -> float:
+    """The program's rounding, plus the model's own where it computes in less than fp32: the
+    reference is the model as saved, and a bf16 model's logits carry bf16's rounding too."""
+    source = {dtype: name for name, dtype in DTYPES.items()}[source_dtype]
+    return PARITY_TOLERANCE[precision] + (PARITY_TOLERANCE[source] if source != "fp32" else 0.0)
 
 
 def _export_checked(hf, precision: str, profiles: ProfileParams, device: str):
-    """The exported program, and its parity with the fp32 model, checked against the tolerance."""
+    """The exported program, and its parity with the model, checked against the tolerance."""
     import torch
 
     from components.runtime.static_kv import static_model_from_hf
 
     static = static_model_from_hf(hf, dtype=getattr(torch, DTYPES[precision]), device=device)
     program = export_program(static, profiles.batch.max, profiles.context.max)
-    parity = program_parity(program.module(), hf, profiles.batch.max, profiles.context.max, device, PARITY_TOLERANCE[precision])
+    tolerance = parity_tolerance(precision, str(hf.dtype).removeprefix("torch."))
+    parity = program_parity(program.module(), hf, profiles.batch.max, profiles.context.max, device, tolerance)
     if max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) > parity.tolerance:
         raise BuildError(
             f"the {precision} torch-cuda program differs from the PyTorch model by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff):.3g} "
@@ -162,8 +178,9 @@ def export_program(model, num_slots: int, max_context: int):
 
 
 def program_parity(program, hf, num_slots: int, max_context: int, device: str, tolerance: float, decode_steps: int = 3) -> ParityRecord:
-    """Largest logit difference between the program and the fp32 Hugging Face model: every
-    position of a two-row prompt batch, then `decode_steps` greedy steps on the cache."""
+    """Largest logit difference between the program and the Hugging Face model (in the dtype
+    it was saved in): every position of a two-row prompt batch, then `decode_steps` greedy
+    steps on the cache."""
     import torch
 
     from components.runtime.static_kv import causal_bias, new_cache, static_shape
@@ -175,7 +192,7 @@ def program_parity(program, hf, num_slots: int, max_context: int, device: str, t
     k_cache, v_cache = new_cache(static_shape(hf.config), num_slots, max_context, weight.dtype, weight.device)  # the program's own cache shape
     keys = torch.arange(max_context, device=device)
     with torch.no_grad():
-        reference = hf(torch.cat([prompt, steps], dim=1)).logits
+        reference = hf(torch.cat([prompt, steps], dim=1)).logits.float()
         P = prompt.shape[1]
         positions = torch.arange(P, device=device).expand(2, P)
         ours = program(prompt.to(device), positions, causal_bias(positions, keys, weight.dtype), positions, k_cache, v_cache)

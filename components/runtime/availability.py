@@ -59,7 +59,7 @@ def _torch_cuda_status() -> BackendStatus:
         kernels = f"Triton {triton.__version__} (one-row decode kernels)"
     except ImportError:
         kernels = "no Triton (Inductor's decode step only)"
-    auto = "build.backend auto builds fp32 and fp16 with it" + (" (TensorRT comes first here)" if tensorrt_ready()[0] else "")
+    auto = "build.backend auto builds fp32, fp16 and bf16 with it" + (" (fp32 and fp16 go to TensorRT here)" if tensorrt_ready()[0] else "")
     details = f"torch {torch.__version__}, CUDA {torch.version.cuda}; GPU: {torch.cuda.get_device_name()} (sm_{major}{minor}); {kernels}; {auto}"
     return BackendStatus("torch-cuda", True, True, details)
 

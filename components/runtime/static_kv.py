@@ -91,8 +91,10 @@ class GPT2Shape:
         )
 
 
-def _stack(state: Mapping[str, Tensor], n_layer: int, suffix: str) -> Tensor:
-    return torch.stack([state[f"h.{i}.{suffix}"] for i in range(n_layer)])
+def _on(device: torch.device | str, dtype: torch.dtype, t: Tensor) -> Tensor:
+    """A source weight on the device in the program's dtype. Weights are cast one at a time
+    before they are stacked, so the host holds the source model and no stacked copy of it."""
+    return t.detach().to(device=device, dtype=dtype)
 
 
 class StaticKVGPT2(nn.Module):
@@ -125,19 +127,22 @@ class StaticKVGPT2(nn.Module):
         L = shape.n_layer
 
         def param(t: Tensor) -> nn.Parameter:
-            return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+            return nn.Parameter(_on(device, dtype, t).contiguous(), requires_grad=False)
 
         def weight(t: Tensor) -> nn.Parameter:
             return param(t.transpose(-1, -2) if linear_layout else t)
 
+        def stacked(suffix: str) -> Tensor:
+            return torch.stack([_on(device, dtype, state[f"h.{i}.{suffix}"]) for i in range(L)])
+
         self.wte = param(state["wte.weight"])
         self.wpe = param(state["wpe.weight"])
-        self.ln1_w, self.ln1_b = param(_stack(state, L, "ln_1.weight")), param(_stack(state, L, "ln_1.bias"))
-        self.ln2_w, self.ln2_b = param(_stack(state, L, "ln_2.weight")), param(_stack(state, L, "ln_2.bias"))
-        self.w_qkv, self.b_qkv = weight(_stack(state, L, "attn.c_attn.weight")), param(_stack(state, L, "attn.c_attn.bias"))
-        self.w_o, self.b_o = weight(_stack(state, L, "attn.c_proj.weight")), param(_stack(state, L, "attn.c_proj.bias"))
-        self.w_fc, self.b_fc = weight(_stack(state, L, "mlp.c_fc.weight")), param(_stack(state, L, "mlp.c_fc.bias"))
-        self.w_mp, self.b_mp = weight(_stack(state, L, "mlp.c_proj.weight")), param(_stack(state, L, "mlp.c_proj.bias"))
+        self.ln1_w, self.ln1_b = param(stacked("ln_1.weight")), param(stacked("ln_1.bias"))
+        self.ln2_w, self.ln2_b = param(stacked("ln_2.weight")), param(stacked("ln_2.bias"))
+        self.w_qkv, self.b_qkv = weight(stacked("attn.c_attn.weight")), param(stacked("attn.c_attn.bias"))
+        self.w_o, self.b_o = weight(stacked("attn.c_proj.weight")), param(stacked("attn.c_proj.bias"))
+        self.w_fc, self.b_fc = weight(stacked("mlp.c_fc.weight")), param(stacked("mlp.c_fc.bias"))
+        self.w_mp, self.b_mp = weight(stacked("mlp.c_proj.weight")), param(stacked("mlp.c_proj.bias"))
         self.lnf_w, self.lnf_b = param(state["ln_f.weight"]), param(state["ln_f.bias"])
         lm_head = state.get("lm_head.weight")
         # GPT-2 ties lm_head to wte: keep one copy (77 MB in fp16 at GPT-2-small size).
@@ -352,10 +357,10 @@ class StaticKVLlama(nn.Module):
         L = shape.num_layers
 
         def param(t: Tensor) -> nn.Parameter:
-            return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+            return nn.Parameter(_on(device, dtype, t).contiguous(), requires_grad=False)
 
         def stacked(*suffixes: str) -> Tensor:
-            return torch.stack([torch.cat([state[f"layers.{i}.{s}"] for s in suffixes]) for i in range(L)])
+            return torch.stack([torch.cat([_on(device, dtype, state[f"layers.{i}.{s}"]) for s in suffixes]) for i in range(L)])
 
         self.embed = param(state["embed_tokens.weight"])
         self.ln1_w = param(stacked("input_layernorm.weight"))
