@@ -18,7 +18,7 @@ import yaml
 from components.config import BuildTarget, PoolParams, PrecisionParams, RegistryParams, TriggerParams
 from registry.signing import create_key, fingerprint
 
-from .conftest import make_project, tiny_params, with_trained_model
+from .conftest import int8_registers, make_project, tiny_params, with_trained_model
 from .live_server import KILN, answers, flow_runs, free_port, postgres_bin, postgres_server, prefect_api, wait_for
 
 MODEL = "kiln-tiny"
@@ -72,7 +72,7 @@ def pool(tmp_path_factory, tiny_model, exported):
         publics = {target: create_key(key) for target, key in keys.items()}
         registry = RegistryParams(tracking_uri=mlflow, model_name=MODEL, trusted_keys=[str(p) for p in publics.values()])
         params = tiny_params(
-            root, registry=registry, precision=PrecisionParams(build=["fp32", "int8"]),
+            root, registry=registry, precision=PrecisionParams(build=["fp32", "int8"]), gates=int8_registers(tiny_params(root).gates),
             triggers=TriggerParams(on_promotion=False, data_poll_interval_s=0),
             pool=PoolParams(name="kiln-test", targets={"fp32": BuildTarget(precisions=["fp32"]), "int8": BuildTarget(precisions=["int8"])}),
         )  # fmt: skip

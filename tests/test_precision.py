@@ -11,7 +11,9 @@ from onnx import numpy_helper
 from components.config import Int8Params, KeepFloatParams, PrecisionParams
 from components.gates import eval_windows, quality_gate
 from components.precision import nodes_kept_float, precision_onnx
+from components.config import QualityGateParams
 from components.runtime import load_engine
+from components.runtime.engine import Engine
 from components.runtime.tokenizer import EngineTokenizer
 
 from .conftest import build_engine
@@ -42,6 +44,31 @@ def fp16_graph(project, exported, params):
 @pytest.fixture(scope="module")
 def windows(engine_dir, data_version, params):
     return eval_windows(EngineTokenizer(engine_dir.path), data_version.texts("eval"), params.gates.quality)
+
+
+@pytest.fixture(scope="module")
+def wide_windows(engine_dir, data_version):
+    """32 windows (992 positions) of the train split, where the eval split holds 8: how well an
+    engine agrees with its model needs no held-out text, and four times the positions halve
+    the interval, so a verdict holds with room wherever ONNX Runtime's kernels round a
+    near-tie otherwise (AVX2, AVX-512, VNNI)."""
+    return eval_windows(EngineTokenizer(engine_dir.path), data_version.texts("train"), WIDE)
+
+
+WIDE = QualityGateParams(sequences=32, max_sequences=32, sequence_length=32)
+
+
+class NoisyLogits(Engine):
+    """An engine clearly worse than its model: the real one's logits plus noise as large as
+    their own spread (seeded)."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner.engine_dir)
+        self.inner, self.rng = inner, np.random.default_rng(0)
+
+    def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
+        logits, present = self.inner.forward(input_ids, attention_mask, position_ids, cache, logits_positions)
+        return logits + self.rng.normal(0.0, float(logits.std()), logits.shape).astype(logits.dtype), present
 
 
 def initializers(path):
@@ -137,18 +164,34 @@ def test_fp16_graph_keeps_layernorm_and_logits_in_fp32(fp16_graph):
         assert source is None or source.op_type != "Cast" or next(a.i for a in source.attribute if a.name == "to") == onnx.TensorProto.FLOAT
 
 
-def test_fp16_int8_and_int4_engines_pass_their_quality_limits(project, params, tiny_model, exported, data_version, calibration, reference, windows):
+def test_fp16_int8_and_int4_engines_pass_their_quality_limits(project, params, tiny_model, exported, data_version, calibration, reference, wide_windows):
+    """Each precision's own limits (params.gates.quality.limits), decided by the interval over
+    992 positions. Measured on an Intel Xeon (AVX-512, VNNI, AMX), top-1 [interval] against
+    the limit: fp16 1.0 [1, 1] ≥ 0.98; int8 blocks 0.997 [0.993, 1] ≥ 0.97; int8 Q/DQ 0.993
+    [0.988, 0.997] ≥ 0.97; int4 0.973 [0.961, 0.984] ≥ 0.93: two to three points of room,
+    twenty or more flipped tokens, where another CPU's kernels flip one or two."""
     from components.build import engine_from_onnx
 
+    limits = params.gates.quality.limits
     for precision in ("fp16", "int8", "int4"):
         engine_dir = build_engine(project, params, tiny_model, exported, data_version, precision, calibration)
-        result = quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
+        result = quality_gate(load_engine(engine_dir.path), reference, wide_windows, WIDE.model_copy(update={"limits": limits}))
         assert engine_dir.manifest.precision == precision
-        assert result.passed, (precision, result.measured)
+        assert result.verdict == "passed", (precision, result.measured, result.intervals)
     graph = precision_onnx(exported, "int8", calibration, qdq(), project / "precision")  # TensorRT's form, run here
     engine_dir = engine_from_onnx(graph, tiny_model, data_version, params.build, project / "engines", project)
-    result = quality_gate(load_engine(engine_dir.path), reference, windows, params.gates.quality)
-    assert result.passed, ("int8 Q/DQ", result.measured)
+    result = quality_gate(load_engine(engine_dir.path), reference, wide_windows, WIDE.model_copy(update={"limits": limits}))
+    assert result.verdict == "passed", ("int8 Q/DQ", result.measured, result.intervals)
+
+
+def test_the_int4_limits_fail_an_engine_clearly_worse_than_int4(project, params, tiny_model, exported, data_version, reference, wide_windows):
+    """The companion of the test above: the same gate, the same int4 limits, an int4 engine
+    whose logits carry noise as large as their spread. It fails, not merely inconclusive: the
+    whole interval lies below the limit."""
+    engine_dir = build_engine(project, params, tiny_model, exported, data_version, "int4")
+    result = quality_gate(NoisyLogits(load_engine(engine_dir.path)), reference, wide_windows, WIDE.model_copy(update={"limits": params.gates.quality.limits}))
+    assert result.verdict == "failed" and result.intervals["top1_agreement"][1] < params.gates.quality.limits["int4"].min_top1_agreement
+    assert "top1_agreement" in result.failures()[0]
 
 
 def test_int4_puts_every_linear_layer_and_the_lm_head_in_4_bit_blocks_and_leaves_the_rest_float(int4_graph, exported, params):
@@ -300,7 +343,6 @@ def int8_quality(name, settings, calibration, project, params, tiny_model, expor
 def test_the_gate_stops_a_badly_made_int8_engine(variant, project, params, tiny_model, exported, data_version, calibration, reference, windows):
     # One token repeated in one-token prompts, no decode steps: the activation ranges of real
     # text are never seen. "nothing-float": every op quantized, the residual stream included.
-    windows = windows[: params.gates.quality.sequences]  # one batch of the engine's profile
     bad_set = dataclasses.replace(calibration, digest="unrepresentative", prompts=((7,),) * 8, decode_steps=0)
     everything = Int8Params(
         calibration_method="minmax",
