@@ -55,17 +55,18 @@ def _train_reproducibly(target: Path, data: DataVersion, params: ModelParams) ->
     threads = params.training.threads or PORTABLE_THREADS
     held = params.model_copy(update={"training": params.training.model_copy(update={"threads": threads})})
     environment = PORTABLE_KERNELS | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_hold_kernels, initargs=(environment,)) as process:
-        process.submit(_train_into, target, data, held).result()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        process.submit(_train_held, environment, target, data, held).result()
 
 
-def _hold_kernels(environment: dict[str, str]) -> None:
+def _train_held(environment: dict[str, str], target: Path, data: DataVersion, params: ModelParams) -> None:
     import os
     import sys
 
-    if "torch" in sys.modules:  # it would have read its settings already
+    if "torch" in sys.modules:  # it would have read its settings already (a main module that imports it)
         raise TrainError("torch was imported before the reproducible training process could hold its kernels")
     os.environ.update(environment)
+    _train_into(target, data, params)
 
 
 def _cpu_flags() -> set[str]:

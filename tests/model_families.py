@@ -62,11 +62,13 @@ def sentencepiece_style_tokenizer(texts: list[str], vocab_size: int = 640):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>")
 
 
-def random_model_dir(family: str, tokenizer, directory: Path, extra_eos: tuple[int, ...] = (), seed: int = 0, chat_template: str | None = None, **overrides) -> Path:
+def random_model_dir(family: str, tokenizer, directory: Path, extra_eos: tuple[int, ...] = (), seed: int = 0, chat_template: str | None = None, torch_draws: bool = False, **overrides) -> Path:
     """A model directory of `family`, sized to `tokenizer`, with random weights. `extra_eos`:
     more ids that end generation (generation_config.json lists them as Llama 3's does).
     `chat_template`: saved in chat_template.jinja for llama (as transformers 5 saves one),
-    in tokenizer_config.json for the others (as older models ship it)."""
+    in tokenizer_config.json for the others (as older models ship it). `torch_draws`: weights
+    from torch's own initialisation (biases drawn by torch too), for tests whose tolerances
+    were measured on those draws and compare on one machine; otherwise `fill_from_numpy`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -74,7 +76,13 @@ def random_model_dir(family: str, tokenizer, directory: Path, extra_eos: tuple[i
     eos = tokenizer.eos_token_id
     settings = SMALL | EXTRA[family] | dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos) | overrides
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **settings)).eval()
-    fill_from_numpy(model, seed)
+    if torch_draws:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_(0.0, 0.02)
+    else:
+        fill_from_numpy(model, seed)
     if extra_eos:
         model.generation_config.eos_token_id = [eos, *extra_eos]
     model.save_pretrained(str(directory))
