@@ -349,15 +349,17 @@ def _text_rows(engine: Engine, reference, tokenizer: EngineTokenizer, windows: n
 def bleu_unresolvable(reference_counts: np.ndarray, limit: float) -> str | None:
     """Why BLEU cannot resolve `limit` on this sample: one 4-gram match more moves it by more
     than the limit (BLEU is a geometric mean, its 4-gram precision rests on few matches)."""
-    from components.metrics.bleu import ORDERS, bleu_from_counts
+    from components.metrics.bleu import MATCHED_4GRAMS, bleu_from_counts
 
-    more = reference_counts.copy()
-    more[1 + ORDERS] += 1  # one more matched 4-gram
     base = float(bleu_from_counts(reference_counts))
-    step = 100.0 * (float(bleu_from_counts(more)) / base - 1.0) if base > 0 else float("inf")
+    if base == 0:
+        return "the model's continuations share no word with the held-out text: its BLEU is 0, and a drop from 0 means nothing"
+    more = reference_counts.copy()
+    more[MATCHED_4GRAMS] += 1
+    step = 100.0 * (float(bleu_from_counts(more)) / base - 1.0)
     if step <= limit:
         return None
-    matches = int(reference_counts[1 + ORDERS])
+    matches = int(reference_counts[MATCHED_4GRAMS])
     return f"the model's continuations share {matches} 4-grams with the held-out text: one match more moves BLEU by {step:.3g} %, more than its limit of {limit:g} %"
 
 

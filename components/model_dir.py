@@ -35,7 +35,8 @@ class TrainedModel:
         """`reproducible (AVX2, 2 threads)`, `native (AVX512, 2 threads)`, or `none` (not trained by kiln)."""
         if not self.kernels:
             return "none"
-        return f"{self.kernels['mode']} ({self.kernels['cpu_capability']}, {self.kernels['threads']} threads)"
+        threads = self.kernels["threads"]
+        return f"{self.kernels['mode']} ({self.kernels['cpu_capability']}, {threads} thread{'' if threads == 1 else 's'})"
 
     @property
     def content_digest(self) -> str:

@@ -114,6 +114,9 @@ def test_bleu_over_a_handful_of_4_gram_matches_cannot_resolve_a_2_percent_limit(
     many = few.copy()
     many[5] = 200  # one match more moves it 0.12 %
     assert bleu_unresolvable(many, 2.0) is None
+    nothing = few.copy()
+    nothing[2:6] = 0  # not a word in common: BLEU 0
+    assert "its BLEU is 0" in bleu_unresolvable(nothing, 2.0)
 
 
 def test_bleu_from_summed_sentence_counts_is_nltks_corpus_bleu():

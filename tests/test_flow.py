@@ -260,7 +260,7 @@ def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_cha
     page = client.get_model_version("kiln-pages", first.challenger.registration.version).description
     assert "gates passed" in page and "| quality | top1_agreement | 1 | [1, 1] | >= 0.99 | pass |" in page
     version_tags = client.get_model_version("kiln-pages", first.challenger.registration.version).tags
-    assert "trained with reproducible (AVX2, 1 threads) kernels" in page and version_tags["training_kernels"] == "reproducible (AVX2, 1 threads)"
+    assert "trained with reproducible (AVX2, 1 thread) kernels" in page and version_tags["training_kernels"] == "reproducible (AVX2, 1 thread)"
     assert version_tags["gates.verdict"] == "passed" and float(version_tags["gates.quality.top1_agreement_low"]) == 1.0
     measured_on = version_tags["gates.measured_on"]
     assert "cores" in measured_on and f"Measured on {measured_on}." in page

@@ -13,6 +13,7 @@ EPSILON = 0.1  # NLTK's SmoothingFunction().method1
 # One row per sentence: hypothesis length, closest reference length, matched n-grams for
 # n = 1..4 (clipped), then the hypothesis's n-grams for n = 1..4 (at least 1, as NLTK counts).
 COLUMNS = 2 + 2 * ORDERS
+MATCHED_4GRAMS = 1 + ORDERS  # the column of matched n-grams of the highest order
 
 _DESCRIPTION = "Corpus-level BLEU of the predictions against one reference each (NLTK's formula, smoothing method 1)."
 _INPUTS = """
