@@ -24,7 +24,8 @@ def check_gates(info: VersionInfo) -> None:
     """Refuse a version whose gates did not pass, unless a person forced its promotion with a
     recorded reason: kiln never aliases or serves one silently."""
     if info.tags.get(tags.GATES_PASSED) != tags.TRUE and not info.tags.get(tags.FORCED_REASON):
-        raise VersionRefused(f"{_name(info)} is refused: it did not pass its gates ({tags.GATES_PASSED} tag {info.tags.get(tags.GATES_PASSED)!r})")
+        verdict = f", {tags.GATES_VERDICT} {info.tags[tags.GATES_VERDICT]!r}" if tags.GATES_VERDICT in info.tags else ""  # inconclusive, or failed
+        raise VersionRefused(f"{_name(info)} is refused: it did not pass its gates ({tags.GATES_PASSED} tag {info.tags.get(tags.GATES_PASSED)!r}{verdict})")
 
 
 def verified_engine_dir(info: VersionInfo, local: Path, signing: Signing) -> tuple[EngineDir, str | None]:

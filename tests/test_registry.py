@@ -124,6 +124,13 @@ def test_promote_from_an_alias_that_names_nothing_says_how_to_choose_a_version(r
     assert aliases_of(registry_target) == {}
 
 
+def test_promote_refuses_a_version_whose_gates_were_inconclusive_and_names_the_verdict(registry_target, engine_dir):
+    registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False, **{"gates.verdict": "inconclusive"}))
+    with pytest.raises(RegistryError, match="did not pass its gates \\(gates.passed tag 'false', gates.verdict 'inconclusive'\\)"):
+        promote(registry_target, CHAMPION, version=registration.version)
+    assert aliases_of(registry_target) == {}
+
+
 def test_promote_refuses_a_version_whose_gates_failed(registry_target, engine_dir):
     registration = register_engine(registry_target, engine_dir.path, engine_dir.sha256, record(passed=False))
     with pytest.raises(RegistryError, match="did not pass its gates \\(gates.passed tag 'false'\\)"):
