@@ -298,7 +298,7 @@ def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_cha
     assert f"### Beside the champion (version {first.challenger.registration.version}, at registration)" in page
     assert "| quality.top1_agreement | 1 | 1 | +0 (+0.0%) |" in page
     assert f"### Against the champion (version {first.challenger.registration.version}, measured in this run): may become `challenger`" in page
-    assert "| champion | nll_increase_vs_champion_pct | 0 | <= 1 | pass |" in page
+    assert "| champion | nll_increase_vs_champion_pct | 0 | [0, 0] | <= 1 | pass |" in page  # the same engine file: no spread
     # The run keeps every gate's report, those measured in the run included.
     report = Path(client.download_artifacts(registered.run_id, "gates/report.md", str(flow_project / "downloaded"))).read_text()
     assert "| champion | rouge_l_drop_vs_champion_pct |" in report and "| serving | concurrent.request_p99_ms |" in report and "| text | rouge_l |" in report
