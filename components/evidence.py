@@ -93,6 +93,7 @@ def verdict_of(low: float, high: float, limit: float, direction: Direction) -> V
 
 
 def assess(rows: np.ndarray, measures: Sequence[Measure], level: float, budget: int) -> Evidence:
+    """Each measure's value and interval on these rows, and the measures they cannot resolve."""
     sums = rows.sum(axis=0)
     estimates, excluded = {}, {}
     for measure in measures:
