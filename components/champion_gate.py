@@ -18,7 +18,7 @@ import numpy as np
 
 from components.config import ChampionGateParams, GateParams
 from components.evidence import Measure, sequential_evidence
-from components.gates import GateResult, drop_pcts, evidence_result, target_nll, text_windows, token_windows
+from components.gates import GateResult, drop_pct, evidence_result, target_nll, text_windows, token_windows
 from components.progress import stage_progress
 from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
@@ -39,7 +39,7 @@ def champion_gate(candidate: Contender, champion: Contender, champion_version: s
     turn by turn, against its limit as measured."""
     limits = params.champion
     nll_measure = Measure("nll_increase_vs_champion_pct", lambda s: 100.0 * ((s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3]) - 1.0), limits.max_nll_increase_pct, "<=")
-    rouge_measure = Measure("rouge_l_drop_vs_champion_pct", lambda s: drop_pcts(s[..., 0], s[..., 1]), limits.max_rouge_l_drop_pct, "<=")
+    rouge_measure = Measure("rouge_l_drop_vs_champion_pct", lambda s: drop_pct(s[..., 0], s[..., 1]), limits.max_rouge_l_drop_pct, "<=")
     texts = _window_texts(candidate.tokenizer, eval_texts, params)
     prompts, held_out = _prompt_texts(candidate.tokenizer, eval_texts, params)
     budget = (min(len(texts), params.quality.max_sequences), min(len(prompts), params.text.max_sequences))

@@ -69,10 +69,13 @@ class GateResult:
         low, high = self.intervals.get(measure, (self.measured[measure],) * 2)
         return low > self.thresholds[key] if direction == "<=" else high < self.thresholds[key]
 
+    def interval_text(self, measure: str) -> str:
+        """`[0.912, 0.937]`, or "" for a measure without an interval."""
+        return "[{:.4g}, {:.4g}]".format(*self.intervals[measure]) if measure in self.intervals else ""
+
     def shown(self, measure: str) -> str:
         """The value, with its interval where it has one: `0.9234 [0.912, 0.937]`."""
-        value = f"{self.measured[measure]:.4g}"
-        return value + (" [{:.4g}, {:.4g}]".format(*self.intervals[measure]) if measure in self.intervals else "")
+        return f"{self.measured[measure]:.4g} {self.interval_text(measure)}".rstrip()
 
     def failures(self) -> list[str]:
         if self.passed:
@@ -133,8 +136,7 @@ class GateReport:
         lines = [f"# Gate report: {self.verdict.upper()}", "", "| gate | measure | value | interval | limit | result |", "|---|---|---|---|---|---|"]
         for gate in self.gates:
             for measure, value in gate.measured.items():
-                span = "[{:.4g}, {:.4g}]".format(*gate.intervals[measure]) if measure in gate.intervals else ""
-                lines.append(f"| {gate.name} | {measure} | {value:.6g} | {span} | {limit_text(measure, gate.thresholds)} | {_mark(gate, measure)} |")
+                lines.append(f"| {gate.name} | {measure} | {value:.6g} | {gate.interval_text(measure)} | {limit_text(measure, gate.thresholds)} | {_mark(gate, measure)} |")
         notes = [f"{gate.name}: {m} left out of the verdict: {why}." for gate in self.gates for m, why in gate.excluded.items()]
         notes += [f"{gate.name}: {m} inconclusive: {why}." for gate in self.gates for m, why in gate.inconclusive.items()]
         levels = sorted({f"{g.confidence:.4g}" for g in self.gates if g.confidence})
@@ -300,10 +302,10 @@ def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np
     limits = text_limits(params, engine.manifest.precision)  # a bad config fails before measuring
     bleu_ours, bleu_theirs = slice(2, 2 + COLUMNS), slice(2 + COLUMNS, 2 + 2 * COLUMNS)
     measures = (
-        Measure("rouge_l_drop_pct", lambda s: drop_pcts(s[..., 0], s[..., 1]), limits.max_rouge_l_drop_pct, "<="),
+        Measure("rouge_l_drop_pct", lambda s: drop_pct(s[..., 0], s[..., 1]), limits.max_rouge_l_drop_pct, "<="),
         Measure(
             "bleu_drop_pct",
-            lambda s: drop_pcts(bleu_from_counts(s[..., bleu_ours]), bleu_from_counts(s[..., bleu_theirs])),
+            lambda s: drop_pct(bleu_from_counts(s[..., bleu_ours]), bleu_from_counts(s[..., bleu_theirs])),
             limits.max_bleu_drop_pct,
             "<=",
             unresolvable=lambda s, limit: bleu_unresolvable(s[bleu_theirs], limit),
@@ -369,13 +371,10 @@ def text_limits(params: TextGateParams, precision: str) -> TextLimits:
     return params.limits[precision]
 
 
-def drop_pct(engine_score: float, reference_score: float) -> float:
-    """How far the engine's score is below the reference's, in percent (negative: above)."""
-    return 100.0 * (reference_score - engine_score) / reference_score if reference_score > 0 else 0.0
-
-
-def drop_pcts(engine_scores: np.ndarray, reference_scores: np.ndarray) -> np.ndarray:
-    """`drop_pct`, vectorised over the bootstrap's resamples."""
+def drop_pct(engine_scores, reference_scores) -> np.ndarray:
+    """How far the engine's score is below the reference's, in percent (negative: above; 0
+    against a reference that scored nothing); element-wise over the bootstrap's resamples."""
+    engine_scores, reference_scores = np.asarray(engine_scores, np.float64), np.asarray(reference_scores, np.float64)
     safe = np.where(reference_scores > 0, reference_scores, 1.0)
     return np.where(reference_scores > 0, 100.0 * (reference_scores - engine_scores) / safe, 0.0)
 

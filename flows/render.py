@@ -33,8 +33,7 @@ def gate_report(report) -> None:
     for gate in report.gates:
         style = {"passed": "", "inconclusive": "yellow"}.get(gate.verdict, "red")
         for measure, value in gate.measured.items():
-            span = "[{:.4g}, {:.4g}]".format(*gate.intervals[measure]) if measure in gate.intervals else ""
-            table.add_row(gate.name, measure, f"{value:.6g}", span, limit_text(measure, gate.thresholds), style=style)
+            table.add_row(gate.name, measure, f"{value:.6g}", gate.interval_text(measure), limit_text(measure, gate.thresholds), style=style)
     console.print(table)
     for gate in report.gates:
         for measure, why in gate.excluded.items():
