@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,23 @@ def test_every_registry_tag_is_in_the_tags_reference(reference):
     names = [value for name, value in vars(tags).items() if name.isupper() and isinstance(value, str)]
     page = reference["reference/registry-tags.md"]
     assert len(names) > 30 and not [n for n in names if f"`{n}`" not in page]
+
+
+def test_every_tag_of_the_tags_reference_says_what_it_means_in_tag_names(reference):
+    """Each row has a meaning (a comment beside the constant in registry/tags.py), names
+    other tags by their tag names rather than registry/tags.py's Python constants, and the
+    kinds of tags the page's introduction promises each have their section."""
+    from registry import tags
+
+    page = reference["reference/registry-tags.md"]
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    assert len(rows) > 30
+    assert not [row for row in rows if not re.split(r"(?<!\\)\|", row)[2].strip()], "tags without a meaning"
+    constants = [name for name in vars(tags) if name.isupper() and len(name) > 5]
+    assert not [row for row in rows for name in constants if re.search(rf"\b{name}\b", row)], "a Python constant where a tag name belongs"
+    headings = [line.removeprefix("## ") for line in page.splitlines() if line.startswith("## ")]
+    for kind in ("version tags", "registered-model tags", "run tags"):
+        assert kind in page.split("\n## ")[0] and any(h.startswith(kind) for h in headings), kind
 
 
 def test_every_metric_kiln_serve_exports_is_in_the_metrics_reference(reference):

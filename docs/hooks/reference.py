@@ -226,25 +226,40 @@ def _json_type(spec: dict) -> str:
 
 
 def tags_page() -> str:
-    """The constants of registry/tags.py with their comments, under its section headings."""
+    """The constants of registry/tags.py with their comments, under its section headings,
+    and the tags its functions make where a function's docstring starts with the tag's
+    pattern in backticks (`<alias>.moves.<nnnn>`: its meaning)."""
     from registry import tags
 
     source = Path(tags.__file__).read_text()
     module = ast.parse(source)
-    lines = ["# Registry tags", "", " ".join((ast.get_docstring(module) or "").split()), ""]
+    lines = ["# Registry tags", "", *(" ".join(p.split()) + "\n" for p in (ast.get_docstring(module) or "").split("\n\n"))]
     source_lines = source.splitlines()
     heading = None
     for node in module.body:
-        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant | ast.Tuple)):
+        row = _tag_row(node, source_lines)
+        if row is None:
             continue
         above = _section_above(source_lines, node.lineno)
         if above and above != heading:
             heading = above
             lines += ["", f"## {heading}", "", "| tag | meaning |", "| --- | --- |"]
+        lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def _tag_row(node, source_lines: list[str]) -> str | None:
+    """A constant's row (its value, its comment), or a tag-making function's (the pattern its
+    docstring starts with, the rest of the docstring); None for anything else."""
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant | ast.Tuple):
         comment = source_lines[node.lineno - 1].partition("  # ")[2]
         values = [e.value for e in node.value.elts] if isinstance(node.value, ast.Tuple) else [node.value.value]
-        lines.append(f"| {', '.join(f'`{v}`' for v in values)} | {_cell(comment)} |")
-    return "\n".join(lines) + "\n"
+        return f"| {', '.join(f'`{v}`' for v in values)} | {_cell(comment)} |"
+    docstring = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+    if docstring and docstring.startswith("`"):
+        pattern, _, meaning = docstring[1:].partition("`")
+        return f"| `{pattern}` | {_cell(meaning.lstrip(':').strip())} |"
+    return None
 
 
 def _section_above(source_lines: list[str], lineno: int) -> str | None:
