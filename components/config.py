@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal
@@ -145,7 +146,7 @@ class ArchitectureParams(_Section):
 
 class TrainingParams(_Section):
     steps: int = Field(1200, ge=0)
-    """Optimizer steps; 0 with `model.pretrained` uses that model as it is."""
+    """Optimizer steps."""
     batch_size: int = Field(16, ge=1)
     """Sequences per optimizer step."""
     block_size: int = Field(128, ge=8)
@@ -166,15 +167,64 @@ class TrainingParams(_Section):
     """Train with torch's kernels held to AVX2 (ATen's CPU capability, MKL's conditional numerical reproducibility, oneDNN's ISA) and a fixed thread count, in a process of its own: the same data and params give the same model bytes on any x86-64 CPU with AVX2, at a cost in training time (docs/reproducibility.md)."""
 
 
+class FineTuningParams(TrainingParams):
+    """Fine-tuning a pretrained model on the train split. Off unless enabled: a pretrained
+    model is built as it is. The defaults suit a model that already knows language (a small
+    learning rate, a few hundred steps), not one trained from scratch."""
+
+    enabled: bool = False
+    """Fine-tune `model.pretrained` before it is exported; false: build it as it is."""
+    steps: int = Field(200, ge=1)
+    """Optimizer steps."""
+    batch_size: int = Field(8, ge=1)
+    """Sequences per optimizer step."""
+    learning_rate: float = Field(2e-5, gt=0)
+    """Peak AdamW learning rate (after warm-up, then cosine decay); a pretrained model forgets at from-scratch rates."""
+    warmup_steps: int = Field(20, ge=0)
+    """Steps of linear learning-rate warm-up."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+
+
 class ModelParams(_Section):
     pretrained: str | None = None
-    """null: train a tokenizer and a model from scratch; a local model directory (or hub id): start from it, fine-tuned when `training.steps` > 0."""
+    """null: train a tokenizer and a model from scratch; a local model directory (or a hub id in the local Hugging Face cache): build it as it is, or fine-tuned with `fine_tuning`."""
     tokenizer: TokenizerParams = TokenizerParams()
-    """The tokenizer trained from scratch (ignored with `pretrained`)."""
+    """The tokenizer trained from scratch (not with `pretrained`)."""
     architecture: ArchitectureParams = ArchitectureParams()
-    """The model trained from scratch (ignored with `pretrained`)."""
+    """The model trained from scratch (not with `pretrained`)."""
     training: TrainingParams = TrainingParams()
-    """How the model is trained or fine-tuned."""
+    """How the model is trained from scratch (not with `pretrained`)."""
+    fine_tuning: FineTuningParams = FineTuningParams()
+    """How a pretrained model is fine-tuned, if at all."""
+
+    @model_validator(mode="after")
+    def _fine_tunes_a_pretrained_model(self) -> ModelParams:
+        if not self.pretrained and self.fine_tuning.enabled:
+            raise ValueError("model.fine_tuning.enabled fine-tunes model.pretrained, which is null: set it, or train from scratch with model.training")
+        return self
+
+    @property
+    def schedule(self) -> TrainingParams | None:
+        """What the train stage runs: `training` from scratch, `fine_tuning` when enabled on a
+        pretrained model, None for a pretrained model built as it is."""
+        if self.pretrained is None:
+            return self.training
+        return self.fine_tuning if self.fine_tuning.enabled else None
+
+    def identity(self) -> dict:
+        """The settings that decide the model (the train stage's key and record): a pretrained
+        model's does not move when the from-scratch settings do, nor the reverse."""
+        unused = {"fine_tuning"} if self.pretrained is None else {"tokenizer", "architecture", "training"}
+        return self.model_dump(mode="json", exclude=unused)
+
+    def plan(self) -> str:
+        """One line for the run's log: what the train stage does with the model."""
+        schedule = self.schedule
+        if schedule is None:
+            return f"model: {self.pretrained}, built as it is (model.fine_tuning.enabled: true fine-tunes it first)"
+        what = f"fine-tuning {self.pretrained}" if self.pretrained else f"training a {self.architecture.family} model from scratch"
+        return f"model: {what}, {schedule.steps} steps at learning rate {schedule.learning_rate:g}"
 
 
 # ---------------------------------------------------------------- export / build
@@ -210,7 +260,7 @@ class ProfileParams(_Section):
     prompt: ShapeRange = ShapeRange(min=1, opt=32, max=128)
     """Prompt lengths in tokens (the prefill)."""
     context: ShapeRange = ShapeRange(min=2, opt=64, max=256)
-    """Total context (past + new tokens) during generation."""
+    """Total context (past + new tokens) during generation; unset: the model's own (`n_positions` from scratch; a pretrained model's, capped by what this machine's memory holds for `batch.max` sequences)."""
 
 
 Precision = Literal["fp32", "fp16", "bf16", "int8", "int4"]
@@ -511,11 +561,24 @@ class GateParams(_Section):
 # ---------------------------------------------------------------- registry / sample
 
 
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"  # what MLflow and a URL path take without escaping
+
+
+def model_name_for(model: ModelParams) -> str:
+    """The registered name a model gets where params.yaml names none: a pretrained model's own
+    (its directory's or hub id's last part), else `kiln-<family>`."""
+    if model.pretrained is None:
+        return f"kiln-{model.architecture.family}"
+    last = Path(model.pretrained.rstrip("/")).name or "model"
+    name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", last).lstrip("-_.")
+    return name or "model"
+
+
 class RegistryParams(_Section):
     tracking_uri: str | None = None
     """The MLflow tracking server or database; null: an embedded SQLite store under `mlruns/`."""
-    model_name: str = Field("kiln-gpt2", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-    """The registered model's name in MLflow."""
+    model_name: str | None = Field(None, pattern=MODEL_NAME)
+    """The registered model's name in MLflow, and the `model` clients name; null: the pretrained model's directory name (`Qwen2.5-0.5B-Instruct`), else `kiln-<family>` for a model trained from scratch."""
     experiment: str = "kiln"
     """The MLflow experiment runs are logged to."""
     signing_key: str | None = None
@@ -694,6 +757,27 @@ class Params(_Section):
     """The alerting rules and `kiln up --monitoring`'s Prometheus."""
 
     @model_validator(mode="after")
+    def _named(self) -> Params:
+        """registry.model_name, from the model where params.yaml names none: every verb that
+        reads these params (run, serve, promote) then names the same registered model."""
+        if self.registry.model_name is None:  # frozen: set once, here, as validation ends
+            object.__setattr__(self, "registry", self.registry.model_copy(update={"model_name": model_name_for(self.model)}))
+        return self
+
+    @model_validator(mode="after")
+    def _context_of_the_model(self) -> Params:
+        """build.profiles.context.max, where params.yaml sets none, is the context of the model
+        trained from scratch (a pretrained model's is read from its directory: components.model_fit)."""
+        profiles = self.build.profiles
+        if self.model.pretrained is None and "context" not in profiles.model_fields_set:
+            positions = self.model.architecture.n_positions
+            context = ShapeRange(min=min(profiles.context.min, positions), opt=min(profiles.context.opt, positions), max=positions)
+            # Still unset as far as fields_set tells: `kiln build --model DIR` fits it to DIR.
+            derived = ProfileParams.model_construct(_fields_set=set(profiles.model_fields_set), **(dict(profiles) | {"context": context}))
+            object.__setattr__(self, "build", self.build.model_copy(update={"profiles": derived}))  # frozen: set once, as validation ends
+        return self
+
+    @model_validator(mode="after")
     def _shapes_fit(self) -> Params:
         """What can be known before any work: every length the pipeline will ask of an engine
         fits its profiles, and the profiles fit the model's context (for a model trained
@@ -727,7 +811,9 @@ class Params(_Section):
         return section_digest(self)
 
 
-def shape_problems(params: Params) -> list[str]:
+def shape_problems(params: Params, model_dir_given: bool = False) -> list[str]:
+    """What does not fit the profiles; the model trained from scratch's context too, unless
+    the engines are built from a model directory (which is checked on its own)."""
     profiles, latency, quality = params.build.profiles, params.gates.latency, params.gates.quality
     context = profiles.context.max
     checks = [
@@ -740,7 +826,7 @@ def shape_problems(params: Params) -> list[str]:
     for s in params.gates.serving.scenarios:
         checks.append((s.prompt_tokens <= profiles.prompt.max, f"gates.serving scenario {s.name}: prompt_tokens ({s.prompt_tokens}) exceeds build.profiles.prompt.max ({profiles.prompt.max})"))
         checks.append((s.prompt_tokens + s.new_tokens <= context, f"gates.serving scenario {s.name}: prompt_tokens + new_tokens ({s.prompt_tokens + s.new_tokens}) exceeds build.profiles.context.max ({context})"))
-    if params.model.pretrained is None:
+    if params.model.pretrained is None and not model_dir_given:
         n_positions = params.model.architecture.n_positions
         checks.append((context <= n_positions, f"build.profiles.context.max ({context}) is longer than the model's context, model.architecture.n_positions ({n_positions})"))
     return [message for ok, message in checks if not ok]

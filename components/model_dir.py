@@ -65,6 +65,24 @@ def model_from_directory(path: Path) -> TrainedModel:
     )
 
 
+def pretrained_directory(name: str, root: Path | None = None) -> Path:
+    """`model.pretrained` as a directory: a path (relative to the project `root`, else the
+    current folder), else a hub id already in the local Hugging Face cache (nothing is
+    downloaded: a build must not depend on the network)."""
+    path = (root or Path.cwd()) / Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as err:  # huggingface_hub raises its own types for a missing or partial snapshot
+        raise TrainError(
+            f"model.pretrained {name!r} is not a local directory, and no copy of that hub id is in the local Hugging Face cache "
+            f"(kiln downloads nothing: `hf download {name}` on a machine with network, or name the model's directory)"
+        ) from err
+
+
 def check_model_directory(path: Path) -> None:
     """Raise TrainError naming what is wrong if `path` is not a loadable causal LM directory."""
     if not path.is_dir():

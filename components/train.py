@@ -4,17 +4,18 @@ fine-tuned)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from components.config import ModelParams, TrainingParams, section_digest
+from components.config import ModelParams, TrainingParams
 from components.data import DataVersion
 from components.errors import TrainError
 from components.families import shape_of
 from components.files import stage_output
-from components.model_dir import TRAINING_RECORD, TrainedModel, load_model, model_from_directory, quiet_transformers
+from components.model_dir import TRAINING_RECORD, TrainedModel, load_model, model_from_directory, pretrained_directory, quiet_transformers
 from components.progress import stage_progress
 
 EOS = "<|endoftext|>"
@@ -24,15 +25,16 @@ STAGE_VERSION = "1"
 
 
 def model_from_data(data: DataVersion, params: ModelParams, out_root: Path) -> TrainedModel:
-    """Train (or load and fine-tune) a model; the result lands in a directory named by the
-    content of what went in, written atomically."""
-    key = f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{data.md5.removesuffix('.dir')[:12]}"
-    build = _train_reproducibly if params.training.reproducible and _trains(params) else _train_into
+    """Train from scratch (or fine-tune a pretrained model); the result lands in a directory
+    named by the content of what went in, written atomically. A pretrained model built as it
+    is never comes here: the pipeline loads its directory."""
+    schedule = params.schedule
+    if schedule is None:
+        raise TrainError(f"model.pretrained {params.pretrained} is built as it is: there is nothing to train (model.fine_tuning.enabled: true fine-tunes it)")
+    digest = hashlib.sha256(json.dumps(params.identity(), sort_keys=True).encode()).hexdigest()
+    key = f"v{STAGE_VERSION}-{digest[:12]}-{data.md5.removesuffix('.dir')[:12]}"
+    build = _train_reproducibly if schedule.reproducible else _train_into
     return model_from_directory(stage_output(out_root / key, TRAINING_RECORD, lambda staging: build(staging, data, params)))
-
-
-def _trains(params: ModelParams) -> bool:
-    return params.pretrained is None or params.training.steps > 0
 
 
 # ---------------------------------------------------------------- kernels
@@ -52,8 +54,10 @@ def _train_reproducibly(target: Path, data: DataVersion, params: ModelParams) ->
 
     if "avx2" not in _cpu_flags():
         raise TrainError("model.training.reproducible holds torch's kernels to AVX2, which this CPU does not have: set it to false here")
-    threads = params.training.threads or PORTABLE_THREADS
-    held = params.model_copy(update={"training": params.training.model_copy(update={"threads": threads})})
+    schedule = _schedule(params)
+    threads = schedule.threads or PORTABLE_THREADS
+    section = "training" if params.pretrained is None else "fine_tuning"
+    held = params.model_copy(update={section: schedule.model_copy(update={"threads": threads})})
     environment = PORTABLE_KERNELS | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
         process.submit(_train_held, environment, target, data, held).result()
@@ -89,22 +93,29 @@ def kernels_record(reproducible: bool, threads: int) -> dict[str, str | int]:
 # ---------------------------------------------------------------- training
 
 
+def _schedule(params: ModelParams) -> TrainingParams:
+    schedule = params.schedule
+    assert schedule is not None, "model_from_data trains only where a schedule applies"
+    return schedule
+
+
 def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
     import torch
 
+    schedule = _schedule(params)
     quiet_transformers()
-    torch.manual_seed(params.training.seed)
-    if params.training.threads:
-        torch.set_num_threads(params.training.threads)
+    torch.manual_seed(schedule.seed)
+    if schedule.threads:
+        torch.set_num_threads(schedule.threads)
     if params.pretrained:
-        model, tokenizer = _pretrained(params.pretrained)
+        model, tokenizer = _pretrained(pretrained_directory(params.pretrained))
     else:
         tokenizer = tokenizer_from_texts(data.texts("train"), params)
         model = fresh_model(tokenizer, params)
     train_ids = _token_stream(tokenizer, data.texts("train"))
     eval_ids = _token_stream(tokenizer, data.texts("eval"))
-    curve = _fit(model, train_ids, params.training)
-    perplexity = evaluate_perplexity(model, eval_ids, params.training)
+    curve = _fit(model, train_ids, schedule)
+    perplexity = evaluate_perplexity(model, eval_ids, schedule)
     model.save_pretrained(str(target))
     tokenizer.save_pretrained(str(target))
     record = {
@@ -112,8 +123,8 @@ def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
         "uniform_perplexity": float(model.config.vocab_size),
         "loss_curve": curve,
         "data_md5": data.md5,
-        "params": params.model_dump(mode="json"),
-    } | ({"kernels": kernels_record(params.training.reproducible, torch.get_num_threads())} if curve else {})
+        "params": params.identity(),
+    } | ({"kernels": kernels_record(schedule.reproducible, torch.get_num_threads())} if curve else {})
     (target / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -179,27 +190,17 @@ def _fresh_llama(tokenizer, params: ModelParams):
     return LlamaForCausalLM(config)
 
 
-def _pretrained(name: str):
+def _pretrained(path: Path):
     from transformers import AutoTokenizer
 
-    path = Path(name)
-    model = load_model(path) if path.exists() else _hub_model(name)
+    model = load_model(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as err:
-        raise TrainError(f"cannot load the tokenizer of {name}: {err}") from err
+        raise TrainError(f"cannot load the tokenizer of {path}: {err}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-def _hub_model(name: str):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(name).eval()
-    except Exception as err:
-        raise TrainError(f"model.pretrained {name!r} is neither a local directory nor a reachable hub id: {err}") from err
 
 
 def _token_stream(tokenizer, texts: Sequence[str]):

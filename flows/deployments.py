@@ -49,7 +49,15 @@ def _project(project: str, params_file: str) -> tuple[Path, Params]:
     prepare_environment(root)
     hide_kiln_tracebacks()  # in the flow run's process: its failures print as their one-line messages
     show_stage_notes()
-    return root, load_params(root / params_file)
+    params = load_params(root / params_file)
+    if params.model.pretrained:
+        from components.model_dir import pretrained_directory
+        from components.model_fit import fit_to_model
+
+        params, note = fit_to_model(params, pretrained_directory(params.model.pretrained, root))
+        if note:
+            get_run_logger().info(note)
+    return root, params
 
 
 @flow(name=REBUILD)

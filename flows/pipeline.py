@@ -23,7 +23,7 @@ from components.engine_dir import EngineDir
 from components.errors import GateFailed, KilnError
 from components.export import ExportedOnnx, onnx_from_model
 from components.gates import GateReport, GateResult, fastest_passing, gated_engine, write_report
-from components.model_dir import TrainedModel, check_fits_model, model_from_directory
+from components.model_dir import TrainedModel, check_fits_model, model_from_directory, pretrained_directory
 from components.precision import precision_onnx
 from components.runtime import open_engine
 from components.runtime.sampling import Sampling
@@ -162,10 +162,7 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     preflight(target, registering=True)
     data = version_data(params.data, root)
     record_run_data(root, data.md5)  # what `kiln deploy` compares data.dvc with
-    if model_dir is not None:
-        model = load_pretrained(model_dir)
-    else:
-        model = train_model(data, params.model, workspace.stage_dir("models"))
+    model = _model_for(params, data, workspace, model_dir)
     check_params_against_model(model, params.build.profiles, params.sample)
     training = log_training_run(target, params, model, data, workspace.stage_dir("reports"))
     onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
@@ -186,6 +183,19 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
         verdict = "failed" if any(o.report.verdict == "failed" for o in result.failed) else "inconclusive"
         raise GateFailed(f"gates {verdict} for {failures}", result)
     return result
+
+
+def _model_for(params: Params, data: DataVersion, workspace: Workspace, model_dir: Path | None) -> TrainedModel:
+    """The model the engines are built from: a given directory, a pretrained model as it is,
+    or one trained (or fine-tuned) here; the run's log says which."""
+    log = get_run_logger()
+    if model_dir is not None:
+        log.info("model: %s, built as it is (kiln build)", model_dir)
+        return load_pretrained(model_dir)
+    log.info(params.model.plan())
+    if params.model.schedule is None:
+        return load_pretrained(pretrained_directory(params.model.pretrained))
+    return train_model(data, params.model, workspace.stage_dir("models"))
 
 
 def int8_backend(params: Params) -> str:

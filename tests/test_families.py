@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from components.build.onnxruntime import ort_engine_graph
 from components.build.ort_linear import pack_shared_inputs
-from components.config import ModelParams, PrecisionParams, RegistryParams, ShapeRange, TrainingParams
+from components.config import FineTuningParams, ModelParams, PrecisionParams, RegistryParams, ShapeRange
 from components.errors import ConfigError, TrainError
 from components.families import FAMILIES, shape_of
 from components.files import file_sha256
@@ -183,8 +183,9 @@ def families(tmp_path_factory, llama_tokenizer, tiny_model):
         tokenizer = llama_tokenizer if family == "llama" else byte_level
         extra_eos = (tokenizer.convert_tokens_to_ids("<0x0A>"),) if family == "llama" else ()  # a second EOS, as Llama 3 has
         random = random_model_dir(family, tokenizer, root / "random" / family, extra_eos=extra_eos, chat_template=CHAT_TEMPLATES.get(family))
-        training = base.model.training.model_copy(update={"steps": 600})
-        model = model_from_data(data, ModelParams(pretrained=str(random), training=training), root / "fine-tuned" / family)
+        # Random weights know nothing: fine-tuned at the from-scratch rate, not fine-tuning's.
+        tuning = FineTuningParams(**(base.model.training.model_dump() | {"steps": 600, "enabled": True}))
+        model = model_from_data(data, ModelParams(pretrained=str(random), fine_tuning=tuning), root / "fine-tuned" / family)
         params = base.model_copy(update={"registry": RegistryParams(tracking_uri=base.registry.tracking_uri, model_name=f"kiln-{family}")})
         params_file = write_params(root / f"{family}.yaml", params)
         result = kiln("build", "--model", str(model.path), "--params", str(params_file), cwd=root)

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from components.config import ModelParams, TrainingParams
+from components.config import ModelParams
 from components.errors import TrainError
 from components.model_dir import load_model, model_from_directory
 from components.train import model_from_data
@@ -27,15 +27,6 @@ def test_same_data_and_params_reuse_the_trained_model(project, params, data_vers
     assert again.path == tiny_model.path
     assert again.sha256 == tiny_model.sha256
     assert {p.name: p.stat().st_mtime_ns for p in again.path.iterdir()} == written
-
-
-def test_a_pretrained_directory_is_used_as_is_with_zero_steps(tmp_path, data_version, tiny_model):
-    params = ModelParams(pretrained=str(tiny_model.path), training=TrainingParams(steps=0))
-    model = model_from_data(data_version, params, tmp_path)
-    import torch
-
-    mine, theirs = load_model(model.path).state_dict(), load_model(tiny_model.path).state_dict()
-    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
 def test_a_directory_without_weights_is_named(tmp_path, tiny_model):

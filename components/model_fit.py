@@ -1,0 +1,130 @@
+"""Params fitted to a model directory where params.yaml is silent: the context the model was
+made for, capped by what this machine's memory holds for the running batch's KV cache.
+
+The defaults in params.yaml suit the small model kiln trains from scratch (256 positions);
+a pretrained Llama or Qwen is made for 8k-128k, and its engine should take what it can.
+Read from config.json and the weight files' sizes: no torch, seconds before any work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.config import Params, ShapeRange, shape_problems
+from components.errors import ConfigError
+from components.families import shape_of
+from components.model_dir import check_fits_model_directory, check_model_directory, read_config, stored_dtype
+
+GIB = 1 << 30
+KV_BYTES = 4  # ONNX Runtime's engines keep the cache in fp32, whatever the weights' precision
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ROUND_TO = 256  # a derived context is a multiple of this many tokens (below it: as computed)
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """How long a context the slots of one engine get on this machine, and why."""
+
+    model_positions: int  # the model's own context (its sliding window where that is shorter)
+    slots: int  # build.profiles.batch.max: sequences whose KV is held at once
+    kv_bytes_per_token: int  # one sequence's KV cache per token
+    weight_bytes: int  # the widest engine asked for, in memory
+    memory_bytes: int  # this machine's (or its cgroup's) memory
+
+    @property
+    def kv_budget(self) -> int:
+        """Half of what the weights leave: the other half for activations, the server, the OS."""
+        return max(0, (self.memory_bytes - self.weight_bytes) // 2)
+
+    @property
+    def memory_tokens(self) -> int:
+        """Tokens of context every slot can hold at once within the budget."""
+        return self.kv_budget // (self.slots * self.kv_bytes_per_token)
+
+    @property
+    def context(self) -> int:
+        fits = self.memory_tokens
+        return min(self.model_positions, fits - fits % ROUND_TO if fits >= ROUND_TO else fits)
+
+    @property
+    def capped(self) -> bool:
+        return self.context < self.model_positions
+
+    def note(self) -> str:
+        """The line a run prints: the context it chose, and the cap where memory set it."""
+        chosen = f"build.profiles.context.max {self.context} from the model's {self.model_positions} positions"
+        if not self.capped:
+            return chosen
+        kv = self.slots * self.context * self.kv_bytes_per_token
+        return (
+            f"{chosen}, capped by memory: {self.slots} slots × {self.context} tokens × {self.kv_bytes_per_token / 1024:.0f} KiB of KV "
+            f"= {kv / GIB:.1f} GiB, half of what {self.memory_bytes / GIB:.1f} GiB leave after {self.weight_bytes / GIB:.1f} GiB of weights "
+            f"(build.profiles.context or a smaller batch.max sets it)"
+        )
+
+
+def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, str | None]:
+    """A model directory of a family kiln builds, and `params` fitted to it and checked
+    against it (fitted_to_model, then check_fits_model_directory): in seconds, before any work."""
+    check_model_directory(model_dir)
+    params, note = fitted_to_model(params, model_dir)
+    check_fits_model_directory(model_dir, params.build.profiles, params.sample)
+    return params, note
+
+
+def fitted_to_model(params: Params, model_dir: Path) -> tuple[Params, str | None]:
+    """`params` with the context derived from `model_dir` where params.yaml sets none, and the
+    line that says so (None where params.yaml set it). ConfigError where what the gates and
+    the sample ask no longer fits, or the weights leave no memory for any context."""
+    profiles = params.build.profiles
+    if "context" in profiles.model_fields_set:
+        return params, None
+    fit = context_fit(params, model_dir)
+    if fit.context < 2:
+        raise ConfigError(
+            f"{model_dir} does not fit this machine: {fit.weight_bytes / GIB:.1f} GiB of weights at "
+            f"{_widest(params)} leave no room for the KV cache of {fit.slots} slots in {fit.memory_bytes / GIB:.1f} GiB "
+            f"(build a smaller precision, lower build.profiles.batch.max, or use a machine with more memory)"
+        )
+    context = profiles.context
+    fitted_context = ShapeRange(min=min(context.min, fit.context), opt=min(context.opt, fit.context), max=fit.context)
+    build = params.build.model_copy(update={"profiles": profiles.model_copy(update={"context": fitted_context})})
+    fitted = params.model_copy(update={"build": build})
+    problems = shape_problems(fitted, model_dir_given=True)
+    if problems:
+        raise ConfigError(f"{fit.note()}; then " + "; ".join(problems))
+    return fitted, fit.note()
+
+
+def context_fit(params: Params, model_dir: Path) -> ContextFit:
+    shape = shape_of(read_config(model_dir), f"model directory {model_dir}")
+    positions = min(shape.max_positions, shape.sliding_window or shape.max_positions)
+    return ContextFit(
+        model_positions=positions,
+        slots=params.build.profiles.batch.max,
+        kv_bytes_per_token=2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * KV_BYTES,
+        weight_bytes=int(parameter_count(model_dir) * BYTES_PER_WEIGHT[_widest(params)]),
+        memory_bytes=machine_memory(),
+    )
+
+
+def _widest(params: Params) -> str:
+    return max(params.precision.build, key=BYTES_PER_WEIGHT.__getitem__, default="fp32")
+
+
+def parameter_count(model_dir: Path) -> int:
+    """The model's parameters, from its weight files' sizes and stored dtype (headers are a
+    few KB of gigabytes: close enough for a memory budget)."""
+    files = [*model_dir.glob("*.safetensors")] or [*model_dir.glob("*.bin")]
+    return sum(f.stat().st_size for f in files) // STORED_BYTES[stored_dtype(model_dir)]
+
+
+def machine_memory() -> int:
+    """Physical memory, or the cgroup's limit where a container sets a lower one."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    text = limit.read_text().strip() if limit.is_file() else "max"
+    return min(physical, int(text)) if text.isdigit() else physical

@@ -1,0 +1,165 @@
+"""A newcomer's own model: built as it is unless fine-tuning is asked for, named after its
+directory, and given the context it was made for, capped by what this machine's memory
+holds for the running batch's KV cache."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components.config import FineTuningParams, ModelParams, Params
+from components.errors import ConfigError, TrainError
+from components.files import directory_sha256
+from components.model_fit import GIB, fitted_to_model
+
+from .conftest import make_project, new_project_store, tiny_params
+from .test_cli import kiln
+
+LLAMA_3B = {  # Llama-3.2-3B's config.json, the keys kiln reads
+    "model_type": "llama", "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+    "hidden_size": 3072, "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True, "dtype": "bfloat16",
+}  # fmt: skip
+
+
+def model_dir(directory: Path, config: dict, weight_bytes: int) -> Path:
+    """A model directory whose config.json is `config` and whose weight file has the size of
+    the real one (sparse: nothing is written)."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    with (directory / "model.safetensors").open("wb") as weights:
+        weights.truncate(weight_bytes)
+    return directory
+
+
+def with_memory(monkeypatch, gib: float) -> None:
+    monkeypatch.setattr("components.model_fit.machine_memory", lambda: int(gib * GIB))
+
+
+# ---------------------------------------------------------------- params
+
+
+def test_a_pretrained_model_is_built_as_it_is_unless_fine_tuning_is_asked_for():
+    model = Params.model_validate({"model": {"pretrained": "models/Qwen2.5-0.5B-Instruct"}}).model
+    assert model.schedule is None
+    assert "built as it is" in model.plan()
+    tuned = Params.model_validate({"model": {"pretrained": "m", "fine_tuning": {"enabled": True}}}).model
+    assert tuned.schedule == tuned.fine_tuning
+    assert tuned.schedule.learning_rate <= 1e-4 < Params().model.training.learning_rate  # not the from-scratch rate
+    assert "fine-tuning m, 200 steps at learning rate 2e-05" in tuned.plan()
+
+
+def test_fine_tuning_without_a_pretrained_model_is_refused_naming_both_keys():
+    with pytest.raises(ValueError, match=r"model\.fine_tuning\.enabled fine-tunes model\.pretrained, which is null"):
+        Params.model_validate({"model": {"fine_tuning": {"enabled": True}}})
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        ({"pretrained": "/models/Qwen2.5-0.5B-Instruct/"}, "Qwen2.5-0.5B-Instruct"),
+        ({"pretrained": "meta-llama/Llama-3.2-1B"}, "Llama-3.2-1B"),
+        ({"pretrained": "models/my model (v2)"}, "my-model-v2-"),
+        ({}, "kiln-gpt2"),
+        ({"architecture": {"family": "llama"}}, "kiln-llama"),
+    ],
+)
+def test_the_registered_name_comes_from_the_model_where_params_name_none(model, name):
+    assert Params.model_validate({"model": model}).registry.model_name == name
+
+
+def test_a_name_in_params_wins_over_the_models():
+    params = Params.model_validate({"model": {"pretrained": "/m/Qwen2.5-0.5B"}, "registry": {"model_name": "support-bot"}})
+    assert params.registry.model_name == "support-bot"
+
+
+def test_a_model_trained_from_scratch_gets_its_own_context_where_params_set_none():
+    assert Params.model_validate({"model": {"architecture": {"n_positions": 512}}}).build.profiles.context.max == 512
+    assert Params().build.profiles.context.max == 256
+
+
+def test_the_train_stage_refuses_a_model_built_as_it_is(tmp_path, data_version, tiny_model):
+    from components.train import model_from_data
+
+    with pytest.raises(TrainError, match="built as it is: there is nothing to train"):
+        model_from_data(data_version, ModelParams(pretrained=str(tiny_model.path)), tmp_path)
+
+
+def test_fine_tuning_starts_from_the_pretrained_weights_on_its_own_schedule(tmp_path, data_version, tiny_model):
+    import torch
+
+    from components.model_dir import load_model
+    from components.train import model_from_data
+
+    schedule = FineTuningParams(enabled=True, steps=3, batch_size=2, block_size=16, warmup_steps=1, eval_batches=1)
+    tuned = model_from_data(data_version, ModelParams(pretrained=str(tiny_model.path), fine_tuning=schedule), tmp_path)
+    before, after = load_model(tiny_model.path).state_dict(), load_model(tuned.path).state_dict()
+    moved = max((after[k] - before[k]).abs().max().item() for k in before)
+    assert 0 < moved < 1e-3  # three steps at 2e-5 move each weight by at most ~6e-5
+    assert [step for step, _ in tuned.loss_curve] == [0, 2]
+    assert json.loads((tuned.path / "kiln_training.json").read_text())["params"]["fine_tuning"]["learning_rate"] == 2e-5
+
+
+# ---------------------------------------------------------------- the context a model directory gets
+
+
+def test_the_context_is_the_models_own_where_memory_holds_it(tmp_path, monkeypatch):
+    with_memory(monkeypatch, 512)
+    fitted, note = fitted_to_model(Params(), model_dir(tmp_path / "m", LLAMA_3B | {"max_position_embeddings": 8192}, 6 * GIB))
+    assert fitted.build.profiles.context.max == 8192
+    assert note == "build.profiles.context.max 8192 from the model's 8192 positions"
+
+
+def test_the_context_is_capped_by_the_memory_the_slots_kv_needs_and_says_so(tmp_path, monkeypatch):
+    # 24 GiB, 11.9 GiB of fp32 weights (3.2B parameters): half the rest, 6.0 GiB, for 16
+    # slots' KV of 28 layers x 8 heads x 128 x 2 x 4 B = 224 KiB a token: 1766 tokens, 1536 rounded.
+    with_memory(monkeypatch, 24)
+    fitted, note = fitted_to_model(Params(), model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
+    assert fitted.build.profiles.context.max == 1536
+    assert "capped by memory: 16 slots × 1536 tokens × 224 KiB of KV" in note and "131072 positions" in note
+    fewer_slots = Params.model_validate({"build": {"profiles": {"batch": {"min": 1, "opt": 1, "max": 4}}}})
+    assert fitted_to_model(fewer_slots, tmp_path / "m")[0].build.profiles.context.max == 6912  # 7067 rounded: a quarter of the slots, four times the context
+
+
+def test_a_context_in_params_is_kept_as_set(tmp_path, monkeypatch):
+    with_memory(monkeypatch, 24)
+    params = Params.model_validate({"model": {"pretrained": "m"}, "build": {"profiles": {"context": {"min": 2, "opt": 64, "max": 4096}}}})
+    fitted, note = fitted_to_model(params, model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
+    assert fitted.build.profiles.context.max == 4096 and note is None
+
+
+def test_a_model_whose_weights_leave_no_memory_is_refused_naming_both_sizes(tmp_path, monkeypatch):
+    with_memory(monkeypatch, 8)
+    with pytest.raises(ConfigError, match=r"does not fit this machine: 11\.9 GiB of weights at fp32 .* in 8\.0 GiB"):
+        fitted_to_model(Params(), model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
+
+
+def test_a_sliding_window_bounds_the_derived_context(tmp_path, monkeypatch):
+    with_memory(monkeypatch, 512)
+    mistral = LLAMA_3B | {"model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
+    assert fitted_to_model(Params(), model_dir(tmp_path / "m", mistral, GIB))[0].build.profiles.context.max == 4096
+
+
+# ---------------------------------------------------------------- kiln run on a pretrained directory
+
+
+def test_kiln_run_builds_a_pretrained_directory_as_it_is_under_its_own_name_and_context(tmp_path, tiny_model):
+    root = make_project(tmp_path / "p")
+    new_project_store(root)
+    shutil.copytree(tiny_model.path, root / "models" / "tiny-gpt2-chat")
+    params = tiny_params(root).model_dump(mode="json")
+    params["model"] = {"pretrained": "models/tiny-gpt2-chat"}
+    params["registry"]["model_name"] = None
+    del params["build"]["profiles"]["context"]
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    result = kiln("run", cwd=root, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "model: models/tiny-gpt2-chat, built as it is" in output
+    assert "build.profiles.context.max 128 from the model's 128 positions" in output
+    assert "tiny-gpt2-chat version 1 @challenger (fp32) — registered" in output
+    assert not (root / ".kiln" / "stages" / "models").exists()  # no training stage: the directory itself was exported
+    engine = json.loads(next((root / ".kiln" / "stages" / "engines").rglob("engine.json")).read_text())
+    assert engine["lineage"]["source_model_sha256"] == directory_sha256(root / "models" / "tiny-gpt2-chat")
+    assert engine["profiles"]["generation"]["past"]["max"] == 127  # context 128
