@@ -1,16 +1,21 @@
 """What a registered engine records about where it came from: the run's params, metrics,
-artifacts and the version tags of DESIGN.md's registry contract."""
+artifacts and the version tags of DESIGN.md's registry contract; and its gate numbers read
+back from those tags, each beside its limit, for `kiln lineage`."""
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+from rich.table import Table
 
 from components.calibrate import CalibrationSet
 from components.config import Params
 from components.engine_dir import EngineDir
 from components.export import ExportedOnnx
-from components.gates import GateReport, GateResult
+from components.gates import GateReport, GateResult, limit_text
 from components.model_dir import TrainedModel
 from registry import DatasetRecord, RunLink, RunRecord, VersionInfo, tags
 
@@ -39,8 +44,14 @@ def version_tags(params: Params, engine: EngineDir, report: GateReport, git_comm
     } | ({tags.PARAMETER_COUNT: str(manifest.parameter_count)} if manifest.parameter_count else {}) | ({tags.GATES_MEASURED_ON: report.machine} if report.machine else {}) | {tags.runtime(name): value for name, value in manifest.runtime.items() if name != "shape"}  # torch, CUDA, GPU
     if against_champion is not None:  # its own gate: it decides `challenger`, not gates.passed
         named[tags.CHAMPION_GATE_PASSED] = tags.flag(against_champion.passed)
-        named |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()}
-    return named | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()} | report.flat_conditions()
+        named |= {name: f"{value:.6g}" for name, value in GateReport((against_champion,)).flat_numbers().items()} | limit_tags(GateReport((against_champion,)))
+    return named | {name: f"{value:.6g}" for name, value in report.flat_numbers().items()} | report.flat_conditions() | limit_tags(report)
+
+
+def limit_tags(report: GateReport) -> dict[str, str]:
+    """Each gated number's limit as its gate applied it (`gates.quality.top1_agreement.limit`:
+    ">= 0.9"): the version keeps what it was judged by, whatever params.yaml says later."""
+    return {tags.gate_limit(g.name, m): text for g in report.gates for m in g.measured if (text := limit_text(m, g.thresholds))}
 
 
 def run_record(
@@ -206,3 +217,111 @@ def git_commit(root: Path) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+# ---------------------------------------------------------------- the gates as a version's tags hold them (kiln lineage)
+
+# The gates' tags that are no number of one measure.
+_VERDICT_TAGS = frozenset({tags.GATES_PASSED, tags.GATES_VERDICT, tags.GATES_MEASURED_ON, tags.CHAMPION_GATE_PASSED})
+
+
+@dataclass(frozen=True)
+class RecordedMeasure:
+    """One gate number as the registry holds it, with its interval, limit and exclusion if recorded."""
+
+    gate: str
+    measure: str
+    value: float
+    interval: tuple[float, float] | None = None
+    limit: str = ""  # `>= 0.9`, `<= 5`; "" when ungated or registered before limits were recorded
+    excluded: str = ""  # why it was left out of the verdict
+
+    @property
+    def result(self) -> str:
+        """pass, FAIL or inconclusive, decided as the gate did: by the whole interval where there
+        is one, else by the value; "left out", or "" for a number without a limit."""
+        if self.excluded:
+            return "left out"
+        direction, _, bound = self.limit.partition(" ")
+        if direction not in ("<=", ">=") or not _is_number(bound):
+            return ""  # no limit (or one kiln did not write)
+        low, high = self.interval or (self.value, self.value)
+        beyond, within = (low > float(bound), high <= float(bound)) if direction == "<=" else (high < float(bound), low >= float(bound))
+        return "FAIL" if beyond else "pass" if within else "inconclusive"
+
+    @property
+    def unit(self) -> str:
+        """The unit its name gives: percent (`ppl_increase_pct`), milliseconds (`p95_ms`) or none."""
+        return " %" if self.measure.endswith("_pct") else " ms" if self.measure.endswith("_ms") else ""
+
+    def shown(self, value: float) -> str:
+        """`value` in this measure's unit, to 4 significant digits (a percent to 4 decimals at most)."""
+        return _significant(value, floor=5e-5 if self.unit == " %" else 0.0) + self.unit
+
+
+def _significant(value: float, floor: float = 0.0) -> str:
+    """4 significant digits, thousands grouped from 10,000; below `floor` in size, 0."""
+    if abs(value) < floor:
+        return "0"
+    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+
+
+def recorded_measures(version_tags: Mapping[str, str], run_metrics: Mapping[str, float]) -> list[RecordedMeasure]:
+    """The gate numbers of a version's tags, each with its interval (`<name>_low`/`_high`), its
+    limit and its exclusion. The run's metrics say which tags are numbers (a condition such as
+    `gates.latency.threads` reads as one too); a version without them, every tag that parses."""
+    numbers = {name: float(value) for name, value in version_tags.items() if name.startswith(tags.GATES_PREFIX) and name not in _VERDICT_TAGS and _is_number(value)}
+    if any(name.startswith(tags.GATES_PREFIX) for name in run_metrics):
+        numbers = {name: value for name, value in numbers.items() if name in run_metrics}
+    bounds = {f"{name}_{side}" for name in numbers for side in ("low", "high") if f"{name}_low" in numbers and f"{name}_high" in numbers}
+    measures = []
+    for name in sorted(numbers.keys() - bounds):
+        gate, _, measure = name.removeprefix(tags.GATES_PREFIX).partition(".")
+        interval = (numbers[f"{name}_low"], numbers[f"{name}_high"]) if f"{name}_low" in bounds else None
+        limit, excluded = version_tags.get(tags.gate_limit(gate, measure), ""), version_tags.get(tags.gate_excluded(gate, measure), "")
+        measures.append(RecordedMeasure(gate, measure, numbers[name], interval, limit, excluded))
+    return measures
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def recorded_conditions(version_tags: Mapping[str, str], measures: list[RecordedMeasure]) -> dict[str, dict[str, str]]:
+    """gate → how it measured (`latency`: runtime, threads, process): its tags that are no
+    number, interval, limit or exclusion of a measure, nor a verdict."""
+    claimed = set(_VERDICT_TAGS)
+    for m in measures:
+        name = tags.gate_number(m.gate, m.measure)
+        claimed |= {name, f"{name}_low", f"{name}_high", tags.gate_limit(m.gate, m.measure), tags.gate_excluded(m.gate, m.measure)}
+    conditions: dict[str, dict[str, str]] = {}
+    for name, value in sorted(version_tags.items()):
+        if name.startswith(tags.GATES_PREFIX) and name not in claimed:
+            gate, _, condition = name.removeprefix(tags.GATES_PREFIX).partition(".")
+            conditions.setdefault(gate, {})[condition] = value
+    return conditions
+
+
+def recorded_gates_table(version_tags: Mapping[str, str], run_metrics: Mapping[str, float]) -> Table:
+    """`kiln lineage`'s gates: each number beside its interval, limit and result (a broken limit
+    in red, an unsettled one in yellow); below, how and where they were measured, and why a
+    number was left out of its verdict."""
+    measures = recorded_measures(version_tags, run_metrics)
+    table = Table(show_edge=False, pad_edge=False, caption_justify="left")
+    for column in ("gate", "measure", "value", "interval", "limit", "result"):
+        table.add_column(column, justify="right" if column in ("value", "interval") else "left")
+    for m in measures:
+        interval = f"[{m.shown(m.interval[0])}, {m.shown(m.interval[1])}]" if m.interval else ""
+        limit = m.limit + m.unit if m.limit else ""
+        style = {"FAIL": "red", "inconclusive": "yellow"}.get(m.result, "")
+        table.add_row(m.gate, m.measure, m.shown(m.value), interval, limit, m.result, style=style)
+    notes = [f"{gate} measured with " + ", ".join(f"{k} {v}" for k, v in found.items()) for gate, found in recorded_conditions(version_tags, measures).items()]
+    notes += [f"{m.gate}: {m.measure} left out of the verdict: {m.excluded}" for m in measures if m.excluded]
+    if tags.GATES_MEASURED_ON in version_tags:
+        notes.append(f"measured on {version_tags[tags.GATES_MEASURED_ON]}")
+    table.caption = "\n".join(notes) or None
+    return table

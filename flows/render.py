@@ -181,6 +181,7 @@ def lineage(lineage) -> None:
     """`kiln lineage`: the chain from the data version to the aliases, as a tree."""
     from rich.tree import Tree
 
+    from flows.lineage import recorded_gates_table
     from registry import tags
 
     info, tag = lineage.info, lineage.tag
@@ -197,9 +198,8 @@ def lineage(lineage) -> None:
         f"engine sha256 [cyan]{tag(tags.ENGINE_SHA256)[:12]}[/] · {tag(tags.BACKEND)} {tag(tags.BACKEND_VERSION)} · {tag(tags.TARGET)} · profiles {tag(tags.PROFILES_SHA256)[:12]}"
     )
     passed = info.tags.get(tags.GATES_PASSED) == tags.TRUE
-    gates = engine.add(f"gates {'[green]passed[/]' if passed else '[red]FAILED[/]'}")
-    for name in sorted(k for k in info.tags if k.startswith(tags.GATES_PREFIX) and k != tags.GATES_PASSED):
-        gates.add(f"{name.removeprefix(tags.GATES_PREFIX)} = {info.tags[name]}")
+    gates = engine.add(f"gates {_verdict_cell(info.tags.get(tags.GATES_VERDICT) or ('passed' if passed else 'failed'))}")
+    gates.add(recorded_gates_table(info.tags, lineage.run_metrics))
     if info.tags.get(tags.FORCED_REASON):
         engine.add(f"[yellow]promotion forced[/] by {tag(tags.FORCED_BY)} at {tag(tags.FORCED_AT)}: {tag(tags.FORCED_REASON)}")
     built = root.add(f"built from git {tag(tags.GIT_COMMIT)[:12]} with params sha256 {tag(tags.PARAMS_SHA256)[:12]} · run {info.run_id}")

@@ -77,6 +77,16 @@ def gate_number(gate: str, measure: str) -> str:
     return f"{GATES_PREFIX}{gate}.{measure}"
 
 
+def gate_limit(gate: str, measure: str) -> str:
+    """The tag of a gate number's limit as its gate applied it (`gates.quality.top1_agreement.limit`: ">= 0.9")."""
+    return f"{gate_number(gate, measure)}.limit"
+
+
+def gate_excluded(gate: str, measure: str) -> str:
+    """The tag saying why a gate number was left out of its gate's verdict (components.gates writes it)."""
+    return f"{gate_number(gate, measure)}.excluded"
+
+
 def runtime(name: str) -> str:
     """The tag of one runtime fact of the engine (`runtime.torch`)."""
     return RUNTIME_PREFIX + name
