@@ -12,20 +12,88 @@ import faulthandler
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, ClassVar, Literal
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from components.errors import GateFailed, KilnError
 from flows import render
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="kiln: train → export → build → gate → register → serve.")
 
-ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="params file (default: params.yaml in the current folder)")]
+def _flags_without_placeholder(params: list[Any]) -> list[Any]:
+    """`params` with each flag's value placeholder emptied: typer 0.29's rich help prints a
+    flag's type (`<bool>`) as if it took a value; an empty metavar prints nothing."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag:
+            param.metavar = ""
+    return params
+
+
+def _respelled(args: Sequence[str], renamed: Mapping[str, str]) -> list[str]:
+    """`args` with each deprecated option spelling (`--to x`, `--to=x`) replaced by the current
+    one, warning on stderr; what follows `--` is arguments, left as it is."""
+    out: list[str] = []
+    for index, arg in enumerate(args):
+        if arg == "--":
+            return out + list(args[index:])
+        name, equals, value = arg.partition("=")
+        if name in renamed:
+            render.err_console.print(f"[yellow]warning:[/] {name} is deprecated and goes in the next release: use {renamed[name]}", highlight=False, soft_wrap=True)
+            arg = renamed[name] + equals + value
+        out.append(arg)
+    return out
+
+
+class KilnCommand(TyperCommand):
+    """A verb: flags shown without a value placeholder, and the old spellings of renamed
+    options still taken (with a warning) for one release."""
+
+    renamed: ClassVar[Mapping[str, str]] = {}  # deprecated spelling → the current one
+
+    def get_params(self, ctx: typer.Context) -> list[Any]:
+        return _flags_without_placeholder(super().get_params(ctx))
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _respelled(args, self.renamed))
+
+
+class KilnGroup(TyperGroup):
+    """A group of verbs (kiln itself, kiln bench, ...): flags shown without a value placeholder."""
+
+    def get_params(self, ctx: typer.Context) -> list[Any]:
+        return _flags_without_placeholder(super().get_params(ctx))
+
+
+def _renaming(renamed: Mapping[str, str]) -> type[KilnCommand]:
+    """A KilnCommand that still takes the deprecated spellings `renamed` maps to current ones."""
+    return type("KilnCommand", (KilnCommand,), {"renamed": dict(renamed)})
+
+
+app = typer.Typer(cls=KilnGroup, add_completion=False, no_args_is_help=True, help="kiln: train → export → build → gate → register → serve.")
+
+DEFAULT_PARAMS = Path("params.yaml")
+ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="the params file")]
+
+
+def _print_version(requested: bool) -> None:
+    if requested:
+        from importlib.metadata import version
+
+        typer.echo(f"kiln {version('kiln')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def kiln_options(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version, help="print kiln's version and exit")] = False,
+) -> None:
+    # Only --version lives here: each verb takes its own options.
+    pass
 
 
 def _prepare_environment(root: Path) -> None:
@@ -69,18 +137,18 @@ def _save_traceback() -> Path:
     return log
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def run(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     fresh: Annotated[bool, typer.Option(help="delete cached stage outputs and rebuild every stage")] = False,
 ) -> None:
     """Retrain and rebuild: data → train → export → build → gates → register."""
     _run_pipeline(params_file, model_dir=None, fresh=fresh)
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def build(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     model: Annotated[Path | None, typer.Option(help="model directory (default: model.pretrained)")] = None,
     fresh: Annotated[bool, typer.Option(help="delete cached stage outputs and rebuild every stage")] = False,
 ) -> None:
@@ -144,23 +212,21 @@ def _check_model(model_dir: Path, params) -> Path:
     return model_dir
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def gate(
     engine_dir: Annotated[Path, typer.Argument(help="engine directory (with engine.json)")],
-    params_file: Annotated[Path | None, typer.Option("--params", "-p", help="params file (default: params.yaml if present)")] = None,
+    params_file: ParamsOption = DEFAULT_PARAMS,
     reference: Annotated[Path | None, typer.Option(help="reference model directory (default: from the engine's lineage)")] = None,
     data: Annotated[Path | None, typer.Option(help="data directory holding eval.parquet (default: data.path)")] = None,
 ) -> None:
-    """Gate one engine directory; prints the report; exit 1 when a gate fails."""
+    """Gate one engine directory; prints the report; exit 1 when a gate fails. Without a
+    params.yaml here (and no --params), the default limits."""
     _prepare_environment(Path.cwd())
     with _one_line_errors():
         from components.config import Params
         from components.gates import gate_against_lineage
 
-        if params_file is None and not Path("params.yaml").is_file():
-            params = Params()
-        else:
-            params = _load(params_file or Path("params.yaml"))
+        params = Params() if params_file == DEFAULT_PARAMS and not params_file.is_file() else _load(params_file)
         report, warning = gate_against_lineage(engine_dir, params.gates, data or Path(params.data.path), params.serving.threads, reference)
     if warning:
         render.note(warning)
@@ -170,12 +236,12 @@ def gate(
     render.console.print("[bold green]all gates passed[/]")
 
 
-@app.command()
+@app.command(cls=_renaming({"--to": "--alias", "--from": "--from-alias"}))
 def promote(
-    params_file: ParamsOption = Path("params.yaml"),
-    to_alias: Annotated[str, typer.Option("--to", help="alias to set")] = "champion",
-    from_alias: Annotated[str, typer.Option("--from", help="alias whose version to take")] = "challenger",
-    version: Annotated[str | None, typer.Option(help="a version number instead of --from")] = None,
+    params_file: ParamsOption = DEFAULT_PARAMS,
+    alias: Annotated[str, typer.Option(help="alias to set")] = "champion",
+    from_alias: Annotated[str, typer.Option(help="alias whose version to take")] = "challenger",
+    version: Annotated[str | None, typer.Option(help="a version number instead of --from-alias")] = None,
     force: Annotated[bool, typer.Option(help="promote a version whose gates failed (needs --reason; recorded on the version)")] = False,
     reason: Annotated[str, typer.Option(help="why: recorded with who and when")] = "",
 ) -> None:
@@ -186,14 +252,14 @@ def promote(
 
     with _one_line_errors():
         target = _registry(params_file)
-        info = promote_version(target, to_alias, from_alias, version, by=person(), reason=reason, force=force)
+        info = promote_version(target, alias, from_alias, version, by=person(), reason=reason, force=force)
     forced = " [yellow](gates failed: forced, reason recorded)[/]" if info.tags.get(tags.GATES_PASSED) != tags.TRUE else ""
-    render.console.print(f"{info.name}@{to_alias} → version {info.version}{forced}")
+    render.console.print(f"{info.name}@{alias} → version {info.version}{forced}")
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def rollback(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     alias: Annotated[str, typer.Option(help="alias to move back")] = "champion",
     reason: Annotated[str, typer.Option(help="why: recorded with who and when")] = "",
 ) -> None:
@@ -206,10 +272,10 @@ def rollback(
     render.console.print(f"{info.name}@{alias} → version {info.version} (was {replaced})")
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def lineage(
     version: Annotated[str, typer.Argument(help="registered version number")],
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
 ) -> None:
     """The chain from data version to aliases for one registered version."""
     from registry import version_lineage
@@ -227,9 +293,9 @@ def _registry(params_file: Path):
     return registry_target(_load(params_file).registry, Path.cwd())
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def serve(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     alias: Annotated[str | None, typer.Option(help="alias to serve and follow (default: serving.alias, champion)")] = None,
     host: Annotated[str | None, typer.Option(help="address to bind (default: serving.host, 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port (default: serving.port, 8000)")] = None,
@@ -245,8 +311,20 @@ def serve(
         serve_alias(root, _load(params_file), alias, host, port, engine, max_batch)
 
 
-bench_app = typer.Typer(add_completion=False, help="Benchmarks that print side-by-side tables and write JSON.")
+bench_app = typer.Typer(
+    cls=KilnGroup,
+    add_completion=False,
+    subcommand_metavar="[serving [OPTIONS]]",
+    help="""Benchmarks, printed side by side (and written as JSON): `kiln bench` alone times the engines, `kiln bench serving` the server.
+
+`kiln bench` alone: Hugging Face generate vs kiln's engines, on a model of --shape with random weights (the options below). """
+    """`kiln bench serving`: the server under concurrent clients (its options: kiln bench serving --help).""",
+)
 app.add_typer(bench_app, name="bench")
+
+# benchmarks.generation.SHAPES' names (a test holds them equal): --help lists them without
+# importing the benchmarks, which only the bench verbs load.
+BenchShape = Literal["gpt2-small", "smollm2-135m", "tiny"]
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -256,28 +334,25 @@ def bench(
     runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
     precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time: fp32, fp16, int8, int4, or int8-qdq (TensorRT's int8 form, on ONNX Runtime)")] = "fp32,int8,int4",
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
-    shape: Annotated[str, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads) or tiny (a quick check that it runs)")] = "gpt2-small",
-    device: Annotated[str, typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF eager fp16 and HF static cache + torch.compile vs the torch-cuda engine, batch 1 and 16")] = "cpu",
-    peer: Annotated[str | None, typer.Option(help="llama.cpp: also time llama-bench on the same model as GGUF (int8 beside Q8_0, int4 beside Q4_0), interleaved")] = None,
+    shape: Annotated[BenchShape, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads) or tiny (a quick check that it runs)")] = "gpt2-small",
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF eager fp16 and HF static cache + torch.compile vs the torch-cuda engine, batch 1 and 16")] = "cpu",
+    peer: Annotated[Literal["llama.cpp"] | None, typer.Option(help="also time llama-bench on the same model as GGUF (int8 beside Q8_0, int4 beside Q4_0), interleaved")] = None,
     llama_cpp: Annotated[Path | None, typer.Option(help="llama.cpp checkout or build folder for --peer (default: $KILN_LLAMA_CPP, else PATH)")] = None,
 ) -> None:
-    """Side-by-side generation benchmark: HF generate vs kiln engines, on a model of --shape with random weights.
-    `kiln bench serving` benchmarks the server instead."""
+    """Side-by-side generation benchmark: HF generate vs kiln engines, on a model of --shape
+    with random weights (`kiln bench serving` times the server instead)."""
     if ctx.invoked_subcommand is not None:
         return
     _prepare_environment(Path.cwd())
     from benchmarks import generation as bm  # only bench verbs load benchmarks, and only when run
 
-    if shape not in bm.SHAPES:
-        _fail(KilnError(f"--shape {shape!r} is not one of {', '.join(bm.SHAPES)}"))
-    if device not in ("cpu", "cuda"):
-        _fail(KilnError(f"--device {device!r} is not cpu or cuda"))
+    engines = _bench_precisions(precisions)
     setup = bm.BenchSetup(runs=runs)
-    peer_bench = _bench_peer(peer, llama_cpp, device, precisions.split(","), setup, work / shape / "gguf")
+    peer_bench = _bench_peer(peer, llama_cpp, device, engines, setup, work / shape / "gguf")
     if device == "cuda":
         return _bench_cuda(work, setup, shape, json_path)
     with _one_line_errors():
-        rows = bm.benchmark_rows(work, precisions.split(","), setup, shape, peer_bench.candidates if peer_bench else None)
+        rows = bm.benchmark_rows(work, engines, setup, shape, peer_bench.candidates if peer_bench else None)
     render.bench_rows(rows, setup, shape)
     if peer_bench is not None:
         render.peer_rows(peer_bench.rows(rows), setup, shape)
@@ -286,12 +361,22 @@ def bench(
         render.console.print(f"rows written to {json_path}")
 
 
+def _bench_precisions(text: str) -> list[str]:
+    """--precisions' names, each one the bench builds; else exit 2 naming those, before any work."""
+    from benchmarks.generation import ORT_PRECISIONS, VARIANTS
+
+    known = [*ORT_PRECISIONS, *VARIANTS]
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names or [text]:
+        if name not in known:
+            _fail(KilnError(f"--precisions: {name!r} is not one of {', '.join(known)}"))
+    return names
+
+
 def _bench_peer(name: str | None, llama_cpp: Path | None, device: str, precisions: list[str], setup, cache: Path):
     """The --peer's candidates, or None; its tools are looked for before any work (exit 2)."""
     if name is None:
         return None
-    if name != "llama.cpp":
-        _fail(KilnError(f"--peer {name!r} is not llama.cpp"))
     if device != "cpu":
         _fail(KilnError("--peer llama.cpp times the CPU: leave out --device cuda"))
     from benchmarks.llama_cpp_peer import LlamaCppPeer, find_llama_cpp
@@ -313,23 +398,23 @@ def _bench_cuda(work: Path, setup, shape: str, json_path: Path | None) -> None:
         render.console.print(f"rows written to {json_path}")
 
 
-@bench_app.command("serving")
+@bench_app.command("serving", cls=_renaming({"--url": "--openai-url", "--triton": "--triton-url"}))
 def bench_serving(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
     engine: Annotated[list[Path] | None, typer.Option(help="engine directory to serve (repeatable; default: the champion, else the challenger)")] = None,
     gpt2_small: Annotated[bool, typer.Option("--gpt2-small", help="add the GPT-2-small-shaped int8 engine of `kiln bench`")] = False,
     clients: Annotated[int, typer.Option(min=1, max=256, help="concurrent clients")] = 16,
     seconds: Annotated[float, typer.Option(min=1, max=600, help="how long each row drives its server")] = 10.0,
-    prompt_tokens: Annotated[int, typer.Option(min=1)] = 32,
-    new_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="prompt length of each request, in tokens")] = 32,
+    new_tokens: Annotated[int, typer.Option(min=1, help="tokens each request generates")] = 32,
     rounds: Annotated[int, typer.Option(min=1, max=20, help="both modes once per round, interleaved; rows are medians")] = 1,
-    url: Annotated[list[str] | None, typer.Option(help="also drive this running OpenAI-compatible server (llama-server, vLLM, ...; repeatable)")] = None,
+    openai_url: Annotated[list[str] | None, typer.Option(help="also drive the running OpenAI-compatible server at this URL (llama-server, vLLM, ...; repeatable)")] = None,
     vocab: Annotated[int | None, typer.Option(min=2, help="prompt token ids are drawn below this (default: the engine's vocabulary)")] = None,
-    triton: Annotated[list[str] | None, typer.Option(help="also drive this running Triton server's model (kiln export triton's) through generate_stream")] = None,
+    triton_url: Annotated[list[str] | None, typer.Option(help="also drive the model (kiln export triton's) of the running Triton server at this URL, through generate_stream")] = None,
 ) -> None:
     """The server under concurrent clients: continuous batching vs one request at a time,
-    beside the engine's own generate; with --url, other servers driven by the same clients."""
+    beside the engine's own generate; with --openai-url or --triton-url, other servers driven by the same clients."""
     root = Path.cwd()
     _prepare_environment(root)
     from benchmarks import serving_load as bs
@@ -337,16 +422,16 @@ def bench_serving(
     setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
     done = lambda row: render.console.print(f"  {row.engine}: {row.name} done ({row.tokens_per_s:,.0f} tokens/s)")  # noqa: E731
     with _one_line_errors():
-        engines = {} if url and not (engine or gpt2_small) else _serving_bench_engines(root, params_file, engine or [], gpt2_small)
+        engines = {} if openai_url and not (engine or gpt2_small) else _serving_bench_engines(root, params_file, engine or [], gpt2_small)
         tokenizer_dir = next(iter(engines.values()), None)
-        if triton and tokenizer_dir is None:
-            raise KilnError("--triton beside --url needs --engine DIR: its tokenizer turns the prompts into the text Triton takes")
-        peers_vocab = _prompt_vocab(vocab, engines) if url or triton else 0
+        if triton_url and tokenizer_dir is None:
+            raise KilnError("--triton-url beside --openai-url needs --engine DIR: its tokenizer turns the prompts into the text Triton takes")
+        peers_vocab = _prompt_vocab(vocab, engines) if openai_url or triton_url else 0
         one, every_round = replace(setup, rounds=1), []
         for _ in range(setup.rounds):  # every server once a round: a shared machine's slow spell falls on all of them
             every_round += bs.serving_rounds(engines, one, params_file.resolve(), on_row=done)
-            every_round += bs.url_rounds(url or [], peers_vocab, one, on_row=done)
-            every_round += bs.triton_rounds(triton, tokenizer_dir, peers_vocab, one, on_row=done) if triton else []
+            every_round += bs.url_rounds(openai_url or [], peers_vocab, one, on_row=done)
+            every_round += bs.triton_rounds(triton_url, tokenizer_dir, peers_vocab, one, on_row=done) if triton_url else []
     rows = bs.median_rows(every_round)
     render.serving_rows(rows, setup, every_round)
     if json_path is not None:
@@ -355,11 +440,11 @@ def bench_serving(
 
 
 def _prompt_vocab(vocab: int | None, engines: dict[str, Path]) -> int:
-    """The bound of the prompts' token ids for --url: --vocab, else the engine's vocabulary."""
+    """The bound of the prompts' token ids for --openai-url and --triton-url: --vocab, else the engine's vocabulary."""
     if vocab is not None:
         return vocab
     if not engines:
-        raise KilnError("--url needs --vocab (or --engine DIR of the model that server serves): prompts are random token ids below it")
+        raise KilnError("--openai-url needs --vocab (or --engine DIR of the model that server serves): prompts are random token ids below it")
     from components.engine_dir import load_engine_dir
 
     return min(load_engine_dir(path).manifest.vocab_size for path in engines.values())
@@ -379,11 +464,11 @@ def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], g
     return found
 
 
-@app.command()
+@app.command(cls=_renaming({"--prometheus": "--prometheus-url"}))
 def monitoring(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     render_png: Annotated[Path | None, typer.Option("--render", help="instead: draw the dashboard's panels from a Prometheus's data into this PNG")] = None,
-    prometheus: Annotated[str, typer.Option(help="the Prometheus --render asks (kiln up --monitoring's by default)")] = "http://127.0.0.1:9090",
+    prometheus_url: Annotated[str, typer.Option(help="the Prometheus --render asks (kiln up --monitoring's by default)")] = "http://127.0.0.1:9090",
     minutes: Annotated[float, typer.Option(min=1, help="how far back --render draws")] = 15.0,
 ) -> None:
     """Write the Grafana dashboard (deploy/grafana/kiln-serve.json) and the Prometheus rules
@@ -395,7 +480,7 @@ def monitoring(
         if render_png is not None:
             from flows.dashboard_render import render as draw
 
-            found = draw(dashboard(), prometheus.rstrip("/"), render_png, minutes)
+            found = draw(dashboard(), prometheus_url.rstrip("/"), render_png, minutes)
             empty = sorted(title for title, count in found.items() if count == 0)
             render.console.print(f"wrote {render_png} ({len(found) - len(empty)} of {len(found)} panels with data{'; none: ' + ', '.join(empty) if empty else ''})")
             return
@@ -403,22 +488,39 @@ def monitoring(
             render.console.print(f"wrote {path}")
 
 
-@app.command()
-def doctor() -> None:
-    """Which backends this machine can build and run, and why not."""
+@app.command(cls=KilnCommand)
+def doctor(params_file: ParamsOption = DEFAULT_PARAMS) -> None:
+    """Which backends this machine can build and run, and why not; and whether the params'
+    build.backend is one of them (outside a project, the machine alone)."""
     from components.runtime.availability import backend_statuses
 
-    render.backend_statuses(backend_statuses())
+    statuses = backend_statuses()
+    render.backend_statuses(statuses)
+    if params_file == DEFAULT_PARAMS and not params_file.is_file():
+        return
+    with _one_line_errors():
+        requested = _load(params_file).build.backend
+    render.console.print(f"{params_file}: build.backend {requested} → {_backend_verdict(requested, statuses)}", highlight=False)
 
 
-@app.command()
+def _backend_verdict(requested: str, statuses) -> str:
+    """Whether this machine builds with `requested` (auto: which backends it may pick here)."""
+    building = [status.backend for status in statuses if status.can_build]
+    if requested == "auto":
+        if len(building) < 2:
+            return f"builds with {building[0]} here" if building else "[red]no backend builds here[/]"
+        return f"picks among {', '.join(building)} here, by precision"
+    return "builds here" if requested in building else "[red]does not build here[/] (see its row)"
+
+
+@app.command(cls=KilnCommand)
 def up(
-    params_file: ParamsOption = Path("params.yaml"),
-    mlflow_port: int = 5000,
-    prefect_port: int = 4200,
+    params_file: ParamsOption = DEFAULT_PARAMS,
+    mlflow_port: Annotated[int, typer.Option(help="port of the MLflow server (its UI and API)")] = 5000,
+    prefect_port: Annotated[int, typer.Option(help="port of the Prefect server (its UI and API)")] = 4200,
     serve_port: Annotated[int | None, typer.Option(help="the port `kiln serve` will listen on, where the MLflow UI's alias changes are sent (default: serving.port)")] = None,
     monitoring: Annotated[bool, typer.Option(help="also start Prometheus (Debian's `prometheus`), scraping kiln serve with kiln's rules")] = False,
-    prometheus_port: int = 9090,
+    prometheus_port: Annotated[int, typer.Option(help="port of Prometheus, with --monitoring")] = 9090,
 ) -> None:
     """Local MLflow server (the embedded SQLite store and artifacts) and Prefect server, for the UIs."""
     from flows.servers import serve_uis
@@ -429,9 +531,9 @@ def up(
         serve_uis(root, _load(params_file), mlflow_port, prefect_port, serve_port, prometheus_port if monitoring else None)
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def deploy(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     prefect_url: Annotated[str | None, typer.Option(help="Prefect API (default: PREFECT_API_URL, else kiln up's http://127.0.0.1:4200/api)")] = None,
     mlflow_url: Annotated[str | None, typer.Option(help="MLflow server that delivers alias webhooks (default: registry.tracking_uri if a server, else kiln up's http://127.0.0.1:5000)")] = None,
     pool: Annotated[bool, typer.Option("--pool", help="register them on the work pool of params' pool section, for `kiln worker`s, instead of running them here")] = False,
@@ -450,10 +552,10 @@ def deploy(
         serve_deployments(root, str(params_file), params, settings, pool=pool)
 
 
-@app.command()
+@app.command(cls=KilnCommand)
 def worker(
     target: Annotated[str, typer.Argument(help="build target of params' pool.targets that this machine builds")],
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     prefect_url: Annotated[str | None, typer.Option(help="Prefect API (default: PREFECT_API_URL, else http://127.0.0.1:4200/api)")] = None,
 ) -> None:
     """A Prefect process worker for one build target of the pool (see kiln deploy --pool)."""
@@ -469,14 +571,14 @@ def _mlflow_server(tracking_uri: str | None) -> str:
     return tracking_uri if tracking_uri and tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
 
 
-data_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The versioned corpus.")
+data_app = typer.Typer(cls=KilnGroup, add_completion=False, no_args_is_help=True, help="The versioned corpus.")
 app.add_typer(data_app, name="data")
 
 
-@data_app.command("add")
+@data_app.command("add", cls=KilnCommand)
 def data_add(
     paths: Annotated[list[Path], typer.Argument(help="text files to add to the corpus")],
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
 ) -> None:
     """Add text files to the corpus (data.source.glob), version it with DVC (add + push), announce the change to Prefect."""
     from flows.data_changes import add_data, announce_data_change, changing_data
@@ -500,14 +602,14 @@ def data_add(
         render.console.print(f"announced kiln.data.changed (event {event})")
 
 
-export_app = typer.Typer(add_completion=False, no_args_is_help=True, help="A registered version for another server.")
+export_app = typer.Typer(cls=KilnGroup, add_completion=False, no_args_is_help=True, help="A registered version for another server.")
 app.add_typer(export_app, name="export")
 
 
-@export_app.command("triton")
+@export_app.command("triton", cls=KilnCommand)
 def export_triton(
     repository: Annotated[Path, typer.Argument(help="the Triton model repository to write into (made if absent)")],
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     alias: Annotated[str | None, typer.Option(help="the alias whose version to export (default: serving.alias, champion)")] = None,
     version: Annotated[str | None, typer.Option(help="a version number instead of an alias")] = None,
     instances: Annotated[int, typer.Option(min=1, help="model instances Triton runs (each holds the engine)")] = 1,
@@ -526,13 +628,13 @@ def export_triton(
         render.console.print(f"serve it: tritonserver --model-repository={repository}   (here: make triton-env, then .triton-venv/bin/python -m flows.triton_server --model-repository={repository})")
 
 
-keys_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The keys engines are signed with and verified against.")
+keys_app = typer.Typer(cls=KilnGroup, add_completion=False, no_args_is_help=True, help="The keys engines are signed with and verified against.")
 app.add_typer(keys_app, name="keys")
 
 
-@keys_app.command("init")
+@keys_app.command("init", cls=KilnCommand)
 def keys_init(
-    params_file: ParamsOption = Path("params.yaml"),
+    params_file: ParamsOption = DEFAULT_PARAMS,
     if_missing: Annotated[bool, typer.Option(help="do nothing where the key exists (make run)")] = False,
 ) -> None:
     """Make this machine's P-256 signing key (KILN_SIGNING_KEY, registry.signing_key, or
@@ -549,8 +651,8 @@ def keys_init(
         render.console.print("machines that only verify (a server, a colleague): copy the .pub into the project and list it in registry.trusted_keys")
 
 
-@keys_app.command("show")
-def keys_show(params_file: ParamsOption = Path("params.yaml")) -> None:
+@keys_app.command("show", cls=KilnCommand)
+def keys_show(params_file: ParamsOption = DEFAULT_PARAMS) -> None:
     """This machine's signing key and the public keys the project trusts, by fingerprint."""
     from registry.signing import trusted_fingerprints
 
@@ -562,8 +664,8 @@ def keys_show(params_file: ParamsOption = Path("params.yaml")) -> None:
         render.console.print(f"signatures required: {str(signing.required).lower()}")
 
 
-@keys_app.command("sign-existing")
-def keys_sign_existing(params_file: ParamsOption = Path("params.yaml")) -> None:
+@keys_app.command("sign-existing", cls=KilnCommand)
+def keys_sign_existing(params_file: ParamsOption = DEFAULT_PARAMS) -> None:
     """Sign the versions registered before signing whose every file is byte-identical to an
     engine this project built (.kiln/stages/engines); the others are left for a rebuild."""
     from components.workspace import Workspace

@@ -87,7 +87,7 @@ def _version_to_move(target: RegistryTarget, from_alias: str) -> VersionInfo:
         return info
     if not versions_tagged(target, {}):
         raise RegistryError(f"{target.model_name} has no registered version in {target.tracking_uri} yet: run `kiln run` first (it builds, gates and registers the engines, and sets {CHALLENGER} on one that passed)")
-    raise RegistryError(f"{target.model_name}@{from_alias} names no version: pass --version N, or --from another alias")
+    raise RegistryError(f"{target.model_name}@{from_alias} names no version: pass --version N, or --from-alias another alias")
 
 
 def rollback(target: RegistryTarget, by: str, alias: str = CHAMPION, reason: str = "") -> tuple[VersionInfo, str]:

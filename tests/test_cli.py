@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,14 +10,18 @@ import time
 import shutil
 import urllib.parse
 import urllib.request
+from importlib.metadata import version as installed_version
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Annotated, get_args
 
 import pytest
+import typer
 import yaml
 from typer.testing import CliRunner
 
 from components.config import ServingParams
-from flows.cli import app
+from flows.cli import KilnCommand, app
 
 from .conftest import SIGNING, make_project, new_project_store, tiny_params
 from .live_server import answers, free_port, kiln_up
@@ -41,6 +46,202 @@ def test_every_verb_has_help(verb):
     result = CliRunner().invoke(app, [*verb.split(), "--help"])
     assert result.exit_code == 0
     assert "Usage" in result.output
+
+
+# ---------------------------------------------------------------- the help: every option said, flags without a placeholder
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # a CI terminal may get colours
+
+
+def commands(command, path: tuple[str, ...] = ("kiln",)):
+    """(the words that invoke it, its click command) for `command` and every verb under it."""
+    yield path, command
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        yield from commands(sub, (*path, name))
+
+
+KILN_COMMANDS = list(commands(typer.main.get_command(app)))
+
+
+def undescribed(command) -> list[str]:
+    """Its options and arguments without help text (typer keeps an argument's on TyperArgument.help)."""
+    return [param.name for param in command.params if not (getattr(param, "help", None) or "").strip()]
+
+
+def help_text(typer_app: typer.Typer, words: tuple[str, ...]) -> str:
+    """What `--help` prints on a terminal wide enough that no option wraps."""
+    result = CliRunner().invoke(typer_app, [*words, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return ANSI.sub("", result.output)
+
+
+def test_every_option_and_argument_of_every_verb_says_what_it_is():
+    missing = {" ".join(path): names for path, command in KILN_COMMANDS if (names := undescribed(command))}
+    assert not missing, f"options and arguments without help text: {missing}"
+    assert len(KILN_COMMANDS) > 15
+
+
+def test_an_option_or_argument_without_help_text_is_found():
+    planted = typer.Typer()
+
+    @planted.command()
+    def verb(target: Annotated[str, typer.Argument()], port: int = 5000, host: Annotated[str, typer.Option(help="address to bind")] = "") -> None:
+        pass
+
+    assert undescribed(typer.main.get_command(planted)) == ["target", "port"]
+
+
+@pytest.mark.parametrize("path", [path for path, _ in KILN_COMMANDS], ids=" ".join)
+def test_no_flag_shows_a_value_placeholder_in_help(path):
+    assert "<bool>" not in help_text(app, path[1:])
+
+
+def test_typers_flag_placeholder_is_seen_and_kilns_commands_drop_it():
+    """What the test above is worth: typer 0.29 prints `<bool>` for a flag (its own --help
+    too); a KilnCommand prints none, while an option's value type stays."""
+
+    def one_verb(cls) -> typer.Typer:
+        planted = typer.Typer()
+
+        @planted.command(cls=cls)
+        def verb(fresh: Annotated[bool, typer.Option(help="start over")] = False, runs: Annotated[int, typer.Option(help="how many")] = 1) -> None:
+            pass
+
+        return planted
+
+    assert "<bool>" in help_text(one_verb(None), ())
+    kilns = help_text(one_verb(KilnCommand), ())
+    assert "<bool>" not in kilns and "<int>" in kilns
+
+
+def test_kiln_version_prints_the_installed_version_and_exits_0():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"kiln {installed_version('kiln')}"
+
+
+def test_every_verb_that_reads_params_takes_the_same_params_option():
+    params = {" ".join(path): (tuple(param.opts), param.help) for path, command in KILN_COMMANDS for param in command.params if param.name == "params_file"}
+    assert len(set(params.values())) == 1, params
+    assert {"kiln doctor", "kiln gate", "kiln bench serving", "kiln promote"} <= params.keys()
+
+
+def test_doctor_with_params_says_whether_their_backend_builds_here(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("build: {backend: onnxruntime}\n")
+    result = CliRunner().invoke(app, ["doctor", "-p", str(params)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "build.backend onnxruntime → builds here" in result.stdout
+    missing = CliRunner().invoke(app, ["doctor", "-p", str(tmp_path / "absent.yaml")])
+    assert missing.exit_code == 2 and "absent.yaml" in missing.stderr
+
+
+# ---------------------------------------------------------------- renamed options: the old spellings, for one release
+
+
+def test_promotes_old_alias_spellings_still_work_and_warn(monkeypatch):
+    import registry
+    from registry import tags
+
+    moved = {}
+
+    def promote(target, alias, from_alias, version, **recorded):
+        moved.update(alias=alias, from_alias=from_alias)
+        return SimpleNamespace(name="kiln-tiny", version="3", tags={tags.GATES_PASSED: tags.TRUE})
+
+    monkeypatch.setattr(registry, "promote", promote)
+    monkeypatch.setattr("flows.cli._registry", lambda params_file: None)
+    old = CliRunner().invoke(app, ["promote", "--to", "staging", "--from=candidate"])
+    assert old.exit_code == 0, old.output
+    assert moved == {"alias": "staging", "from_alias": "candidate"} and "kiln-tiny@staging → version 3" in old.stdout
+    warnings = " ".join(old.stderr.split())
+    assert "--to is deprecated" in warnings and "use --alias" in warnings and "--from is deprecated" in warnings and "use --from-alias" in warnings
+    new = CliRunner().invoke(app, ["promote", "--alias", "champion", "--from-alias", "challenger"])
+    assert new.exit_code == 0 and moved == {"alias": "champion", "from_alias": "challenger"} and "deprecated" not in new.stderr
+
+
+def test_the_old_url_spellings_still_work_and_warn(monkeypatch, tmp_path):
+    import flows.dashboard_render
+
+    asked = []
+    monkeypatch.setattr(flows.dashboard_render, "render", lambda dashboard, url, png, minutes: asked.append(url) or {})
+    drawn = CliRunner().invoke(app, ["monitoring", "--render", str(tmp_path / "d.png"), "--prometheus", "http://prometheus:9090/"])
+    assert drawn.exit_code == 0, drawn.output
+    assert asked == ["http://prometheus:9090"] and "--prometheus is deprecated" in " ".join(drawn.stderr.split())
+
+    monkeypatch.chdir(tmp_path)
+    peers = CliRunner().invoke(app, ["bench", "serving", "--url", "http://a", "--triton", "http://b"])
+    said = " ".join(peers.stderr.split())
+    assert peers.exit_code == 2 and "--triton-url beside --openai-url needs --engine DIR" in said  # both reached their new options
+    assert "--url is deprecated" in said and "use --openai-url" in said and "--triton is deprecated" in said
+
+
+def test_only_options_are_respelled_and_nothing_after_a_double_dash():
+    from flows.cli import _respelled
+
+    assert _respelled(["--to", "x", "--to=y", "--top", "--", "--to"], {"--to": "--alias"}) == ["--alias", "x", "--alias=y", "--top", "--", "--to"]
+
+
+# ---------------------------------------------------------------- kiln bench: choices named
+
+
+@pytest.mark.parametrize("option, bad, choices", [("--shape", "huge", ["gpt2-small", "smollm2-135m", "tiny"]), ("--device", "tpu", ["cpu", "cuda"]), ("--peer", "vllm", ["llama.cpp"])])
+def test_a_bad_bench_choice_is_refused_naming_the_choices(option, bad, choices, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["bench", option, bad], env={"COLUMNS": "200"})
+    assert result.exit_code == 2
+    assert all(choice in result.output for choice in choices), result.output
+    assert not (tmp_path / ".kiln").exists()  # refused before any work
+
+
+def test_the_bench_shapes_help_lists_are_the_benchmarks_shapes():
+    from benchmarks.generation import SHAPES
+    from flows.cli import BenchShape
+
+    assert list(get_args(BenchShape)) == list(SHAPES)
+
+
+def test_an_unknown_bench_precision_is_refused_naming_the_known_ones_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "--precisions", "int8,int9", "--shape", "tiny", "--work", str(tmp_path / "work")])
+    assert result.exit_code == 2
+    assert "--precisions: 'int9' is not one of fp32, fp16, int8, int4, int8-qdq" in " ".join(result.stderr.split())
+    assert not (tmp_path / "work").exists()
+
+
+def test_bench_help_says_what_bench_alone_and_bench_serving_time():
+    text = " ".join(help_text(app, ("bench",)).split())
+    assert "bench [OPTIONS] [serving [OPTIONS]]" in text  # the usage line
+    assert "`kiln bench` alone times the engines, `kiln bench serving` the server" in text
+
+
+# ---------------------------------------------------------------- kiln lineage: each gate number beside its limit
+
+
+def test_lineage_shows_each_gate_number_beside_its_interval_limit_and_result():
+    from rich.console import Console
+
+    from components.gates import GateReport, GateResult
+    from flows.lineage import limit_tags, recorded_gates_table
+
+    quality = GateResult(
+        "quality", True, {"top1_agreement": 0.98765, "ppl_increase_pct": 1.02144e-07}, {"min_top1_agreement": 0.9, "max_ppl_increase_pct": 5.0},
+        intervals={"top1_agreement": (0.95, 0.99), "ppl_increase_pct": (-0.25, 0.4)},
+    )  # fmt: skip
+    latency = GateResult("latency", False, {"p50_ms": 80.25, "p95_ms": 123.456}, {"max_p95_ms": 100.0}, conditions={"threads": "1"})
+    report = GateReport((quality, latency), machine="a test machine")
+    limits = limit_tags(report)
+    assert limits == {"gates.quality.top1_agreement.limit": ">= 0.9", "gates.quality.ppl_increase_pct.limit": "<= 5", "gates.latency.p95_ms.limit": "<= 100"}
+    version_tags = {name: f"{value:.6g}" for name, value in report.flat_numbers().items()} | report.flat_conditions() | limits
+    version_tags |= {"gates.passed": "false", "gates.verdict": "failed", "gates.measured_on": report.machine}
+
+    console = Console(width=200, record=True)
+    console.print(recorded_gates_table(version_tags, report.flat_numbers()))
+    shown = [" ".join(line.replace("│", " ").split()) for line in console.export_text().splitlines()]
+    assert "quality top1_agreement 0.9877 [0.95, 0.99] >= 0.9 pass" in shown
+    assert "quality ppl_increase_pct 0 % [-0.25 %, 0.4 %] <= 5 % pass" in shown
+    assert "latency p95_ms 123.5 ms <= 100 ms FAIL" in shown and "latency p50_ms 80.25 ms" in shown
+    assert "latency measured with threads 1" in shown and "measured on a test machine" in shown
+    assert not any("e-07" in line or line.startswith("latency threads") for line in shown)
 
 
 @pytest.mark.parametrize(

@@ -1309,20 +1309,20 @@ def test_kiln_bench_serving_measures_both_modes_beside_the_engines_generate_and_
 
 
 def test_kiln_bench_serving_drives_any_openai_server_given_by_its_url(server, tmp_path, engine_dir):
-    """`--url` measures a server kiln did not start (llama-server, vLLM, ...) with the same
+    """`--openai-url` measures a server kiln did not start (llama-server, vLLM, ...) with the same
     clients; here kiln's own, running in this process. Without --vocab or an engine to
     draw prompt ids from, one line says what is missing."""
     kiln = str(Path(sys.executable).parent / "kiln")
     (tmp_path / "params.yaml").write_text("{}\n")
     common = ["--clients", "2", "--seconds", "1", "--prompt-tokens", "8", "--new-tokens", "8"]
-    command = [kiln, "bench", "serving", "--url", server.url, "--vocab", str(engine_dir.manifest.vocab_size), *common, "--json", str(tmp_path / "url.json")]
+    command = [kiln, "bench", "serving", "--openai-url", server.url, "--vocab", str(engine_dir.manifest.vocab_size), *common, "--json", str(tmp_path / "url.json")]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     [row] = json.loads((tmp_path / "url.json").read_text())["rows"]
     assert row["name"] == "as served" and row["engine"] == server.url
     assert row["failed"] == 0 and row["requests"] >= 2 and row["tokens_per_s"] == pytest.approx(row["requests_per_s"] * 8, rel=1e-6)
-    missing = subprocess.run([kiln, "bench", "serving", "--url", server.url, *common], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
-    assert missing.returncode == 2 and "--url needs --vocab" in missing.stderr and "Traceback" not in missing.stderr
+    missing = subprocess.run([kiln, "bench", "serving", "--openai-url", server.url, *common], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert missing.returncode == 2 and "--openai-url needs --vocab" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_the_loader_keeps_only_the_last_few_pulled_versions_and_never_the_served_one(store, tmp_path):
