@@ -343,6 +343,11 @@ FIGURES: dict[str, tuple] = {
         r"`\.venv`[^.\n]{0,40}?\b(\d+(?:\.\d+)?) ?GB",
         r"\b(\d+(?:\.\d+)?) ?GB of disk for `\.venv`",
     ]),
+    "largest model that builds on the CPU (billions of parameters)": (_number, [
+        r"[Uu]p to about (\d+(?:\.\d+)?) ?B parameters on the CPU",
+        r"[Mm]odels over about (\d+(?:\.\d+)?) ?B parameters do not build",
+        r"fp32 weights pass that \(about (\d+(?:\.\d+)?) ?B parameters\)",
+    ]),
     "memory the default model needs (GB)": (_number, [
         r"\b(\d+(?:\.\d+)?) ?GB of memory for the default model",
         r"default model needs (?:about )?(\d+(?:\.\d+)?) ?GB of memory",
@@ -387,7 +392,8 @@ def _quoting_texts() -> dict[str, str]:
 def test_a_figure_quoted_in_several_places_has_one_value():
     """What it guards: a figure the docs quote in more than one place (the default model's
     int8 top-1 agreement and eval perplexity, its training time on 2 cores, `make test`'s
-    time, what reproducible training costs, the int8 limits, the size of `.venv`) says the
+    time, what reproducible training costs, the int8 limits, the size of `.venv`, the largest
+    model that builds) says the
     same thing wherever it is quoted, in README.md, docs/**/*.md and params.yaml (its
     comments and the limits' values). A page that wants such a figure links to where it is;
     if it quotes it, the quote must match. Figures of other models, shapes, precisions or
