@@ -391,13 +391,13 @@ def _quoting_texts() -> dict[str, str]:
 
 def test_a_figure_quoted_in_several_places_has_one_value():
     """What it guards: a figure the docs quote in more than one place (the default model's
-    int8 top-1 agreement and eval perplexity, its training time on 2 cores, `make test`'s
-    time, what reproducible training costs, the int8 limits, the size of `.venv`, the largest
-    model that builds) says the
+    int8 top-1 agreement and eval perplexity, its training time on 2 cores, `make run`'s and
+    `make test`'s times, what reproducible training costs, the int8 limits, the size of
+    `.venv`, the memory the default model needs, the largest model that builds) says the
     same thing wherever it is quoted, in README.md, docs/**/*.md and params.yaml (its
     comments and the limits' values). A page that wants such a figure links to where it is;
-    if it quotes it, the quote must match. Figures of other models, shapes, precisions or
-    GPUs are not these phrases and are not compared."""
+    if it quotes it, the quote must match. Figures of other models, shapes, precisions,
+    machines or GPUs are not these phrases and are not compared (FIGURES, above)."""
     texts = _quoting_texts()
     quotes = figure_quotes(texts)
     assert len(quotes.get("top-1 agreement of the default model's int8 engine", [])) >= 1  # README's sample output
