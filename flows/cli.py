@@ -172,8 +172,10 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
     params = _load(params_file)
     if from_model:
         model_dir = _model_to_build(model_dir, params)
-    elif params.model.pretrained and Path(params.model.pretrained).is_dir():
-        _check_model(Path(params.model.pretrained).resolve(), params)  # before the data stage and training
+    if model_dir or params.model.pretrained:  # checked before the data stage and training
+        from components.model_dir import pretrained_directory
+
+        params = _fitted_to_model(model_dir or pretrained_directory(params.model.pretrained), params)
     preflight(registry_target(params.registry, root), registering=True)  # before Prefect's server starts (seconds)
     if fresh:
         import shutil
@@ -196,20 +198,23 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
 
 
 def _model_to_build(model_dir: Path | None, params) -> Path:
-    """The model directory `kiln build` starts from, checked against params.yaml before any
-    work: a profile longer than its context is an error in seconds, not after the data stage."""
+    """The model directory `kiln build` starts from."""
     if model_dir is None and not params.model.pretrained:
         raise KilnError("kiln build needs a model: pass --model DIR or set model.pretrained in params.yaml")
-    return _check_model((model_dir or Path(params.model.pretrained)).resolve(), params)
+    from components.model_dir import pretrained_directory
+
+    return model_dir.resolve() if model_dir else pretrained_directory(params.model.pretrained)
 
 
-def _check_model(model_dir: Path, params) -> Path:
-    """A model directory of a family kiln builds, fitting params.yaml's profiles (seconds)."""
-    from components.model_dir import check_fits_model_directory, check_model_directory
+def _fitted_to_model(model_dir: Path, params):
+    """params.yaml fitted to the model (its context, where params.yaml sets none: the line
+    saying so printed) and checked against it, before any work."""
+    from components.model_fit import fit_to_model
 
-    check_model_directory(model_dir)
-    check_fits_model_directory(model_dir, params.build.profiles, params.sample)
-    return model_dir
+    params, note = fit_to_model(params, model_dir)
+    if note:
+        render.note(note)
+    return params
 
 
 @app.command(cls=KilnCommand)
