@@ -26,14 +26,26 @@ docs: $(STAMP)
 # PYTHONDONTWRITEBYTECODE is set (CI images set it), nothing else would, and every process
 # would compile torch, transformers and mlflow again (imports 2.5x slower). uv does not
 # read pip's configuration: the find-links that hold the CPU torch wheel are passed on.
-# torch is pinned to the CPU build (requirements.txt); kiln itself installs without deps
-# so the installer cannot swap that pin for a CUDA build.
+# kiln itself installs without deps so the installer cannot swap the torch it got for another.
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV := $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(VENV)/bin/python $(addprefix --find-links ,$(FIND_LINKS))
+
+# TORCH=cpu (the default): torch's CPU build (about 0.8 GB installed), from PyTorch's CPU
+# index, or from a local wheel folder (pip's find-links) that holds one. TORCH=cuda: PyPI's
+# torch, the CUDA build (several GB more), for the torch-cuda backend on an NVIDIA GPU.
+TORCH ?= cpu
+TORCH_PIN := $(shell grep -E '^torch==' requirements.txt | cut -d' ' -f1)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+LOCAL_CPU_TORCH := $(firstword $(wildcard $(addsuffix /torch-*+cpu-*.whl,$(FIND_LINKS))))
+TORCH_SOURCE := $(if $(LOCAL_CPU_TORCH),,--index-url $(TORCH_CPU_INDEX))
+ifeq ($(filter $(TORCH),cpu cuda),)
+$(error TORCH must be cpu or cuda, not "$(TORCH)")
+endif
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet uv==0.13.9
+	$(if $(filter cpu,$(TORCH)),$(UV) $(TORCH_SOURCE) "$(TORCH_PIN)")
 	$(UV) -r requirements.txt
 	$(UV) --no-deps -e .
 	touch $@
