@@ -335,7 +335,7 @@ class Int4Params(_Section):
     of int8's bytes. Activations stay float; nothing is calibrated."""
 
     # 128, GPTQ's and AWQ's group size: ONNX Runtime's 4-bit kernel was compute-bound at 32
-    # (measured: docs/performance.md, "The KV cache appended in place; int4 in blocks of 128").
+    # (measured: docs/performance.md, "Measured choices in the code").
     block_size: int = Field(128, ge=16, le=256)
     """Weights per scale along the input dimension (a power of two)."""
     symmetric: bool = True
