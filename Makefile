@@ -15,7 +15,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
-# The documentation site on http://127.0.0.1:8000, rebuilt on every change; its reference
+# The documentation site on http://127.0.0.1:8001 (mkdocs.yml's dev_addr: kiln serve keeps 8000), rebuilt on every change; its reference
 # pages are generated from the code (docs/hooks/reference.py).
 docs: $(STAMP)
 	$(VENV)/bin/python docs/hooks/reference.py

@@ -7,7 +7,7 @@ it is ready, then N clients (asyncio + aiohttp, streaming so that time to first 
 seen) send requests back to back for T seconds or until a request budget is spent. The
 clients run in this process and the server in its own, so they share no GIL; they share
 the CPU, though, so the load generator is aiohttp (as in vLLM's serving benchmark), which
-needs less than half of httpx's CPU time per streamed request here (FACTS.md). Prompts are
+needs less than half of httpx's CPU time per streamed request here. Prompts are
 random token ids of a fixed length and `ignore_eos` holds every answer to `new_tokens`,
 so both rows do the same work.
 """
@@ -38,7 +38,7 @@ from components.workspace import Workspace
 
 MODES = {"one-at-a-time": 1, "continuous-batching": None}  # row name → `kiln serve --max-batch`
 GENERATE = "engine generate"  # the row of the engine's own `generate`, in this process
-AS_SERVED = "as served"  # the row of a server given by its URL (`--url`)
+AS_SERVED = "as served"  # the row of a server given by its URL (`--openai-url`)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What a registered engine records about where it came from: the run's params, metrics,
-artifacts and the version tags of DESIGN.md's registry contract; and its gate numbers read
+artifacts and the version tags of the registry contract (registry/tags.py); and its gate numbers read
 back from those tags, each beside its limit, for `kiln lineage`."""
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def serve_uis(
 
 def webhook_environment(root: Path) -> dict[str, str]:
     """What `mlflow server` needs to deliver registry webhooks to a local `kiln serve`
-    (FACTS.md): http and private addresses allowed, a kept key for the stored secrets, and
+    (MLflow 3 refuses them otherwise): http and private addresses allowed, a kept key for the stored secrets, and
     a short cache so that a new webhook takes effect within seconds."""
     from flows.serving import mlflow_encryption_key
 

@@ -407,7 +407,7 @@ ALIAS_EVENTS = ["model_version_alias.created", "model_version_alias.deleted"]
 def register_alias_webhook(target: RegistryTarget, url: str, secret: str, purpose: str = "serve") -> str:
     """Have the tracking server POST alias changes to `url`, signed with `secret`; one
     webhook per URL (registering again updates it), named `kiln-<purpose>-<model>`. Only an
-    `mlflow server` delivers them (FACTS.md): a client writing to a SQLite file directly
+    `mlflow server` delivers them: a client writing to a SQLite file directly
     fires nothing."""
     from mlflow.exceptions import MlflowException
 

@@ -1,6 +1,6 @@
 """Continuous batching: concurrent requests share the engine's decode steps.
 
-One thread owns the engine (vLLM's shape, FACTS.md). Each turn it drops sequences whose
+One thread owns the engine (vLLM's engine core loop has this shape). Each turn it drops sequences whose
 clients left, runs the decode steps of the turn for every running sequence, admits waiting
 ones (one prefill for all of them, whose caches then join the running batch), and retires
 each finished sequence at once. A turn nobody waits on takes several steps where the device

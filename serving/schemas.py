@@ -1,5 +1,5 @@
 """The HTTP contract as pydantic models: OpenAI's completions and chat completions APIs
-(FACTS.md, "Serving conventions"), the model list with the registry's facts, and OpenAI's
+(docs/reference/http-api.md), the model list with the registry's facts, and OpenAI's
 error body.
 
 Requests are strict: unknown fields and wrong types are errors naming the field, never

@@ -60,7 +60,7 @@ class LiveServer:
 
 @contextmanager
 def mlflow_server(tracking_uri: str, artifact_root: Path) -> Iterator[str]:
-    """`mlflow server` on a store, set up to deliver webhooks to a local receiver (FACTS.md);
+    """`mlflow server` on a store, set up to deliver webhooks to a local receiver (flows.servers.webhook_environment);
     yields its URL once /health answers.
 
     One worker: MLflow's default four each import mlflow (7–20 s of CPU apiece here), which

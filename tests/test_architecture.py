@@ -1,4 +1,4 @@
-"""The layout's promises (DESIGN.md): dependencies point one way, each library stays in its
+"""The layout's promises (docs/development.md): dependencies point one way, each library stays in its
 room, heavy imports stay where they are used, benchmarking has one home that nothing
 imports, the registry's tag names are spelled in one module, and the HTTP side knows the
 engine only through its seam. Imports inside functions count too."""

@@ -109,7 +109,7 @@ def test_the_serving_bench_counts_a_server_that_closes_each_connection_fairly():
 
 
 def test_the_serving_bench_drives_every_server_once_a_round_so_a_slow_spell_falls_on_all(monkeypatch, engine_dir, tmp_path):
-    """kiln's rows and the --url servers' alternate round by round (they ran all of kiln's
+    """kiln's rows and the --openai-url servers' alternate round by round (they ran all of kiln's
     rounds first, so a shared machine's slow spell could fall on one server only)."""
     from typer.testing import CliRunner
 
@@ -124,7 +124,7 @@ def test_the_serving_bench_drives_every_server_once_a_round_so_a_slow_spell_fall
 
     monkeypatch.setattr(bs, "serving_rounds", lambda engines, setup, params, on_row: rows("kiln", setup.rounds))
     monkeypatch.setattr(bs, "url_rounds", lambda urls, vocab, setup, on_row: [r for url in urls for r in rows(url, setup.rounds)])
-    args = ["bench", "serving", "--engine", str(engine_dir.path), "--url", "http://peer-a", "--url", "http://peer-b", "--rounds", "3"]
+    args = ["bench", "serving", "--engine", str(engine_dir.path), "--openai-url", "http://peer-a", "--openai-url", "http://peer-b", "--rounds", "3"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert order == ["kiln", "http://peer-a", "http://peer-b"] * 3

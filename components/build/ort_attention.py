@@ -5,7 +5,7 @@ repeated for grouped-query heads, then MatMul, scale, mask, Softmax, MatMul. Eve
 step copies the whole cache. ONNX Runtime's GroupQueryAttention (a contrib operator with CPU
 kernels) takes past and new keys and values, and appends in place when the runtime binds
 past and present to one buffer (components.runtime.onnxruntime does). No library rewrites
-this export's pattern: onnxruntime.transformers' fusions do not match it (FACTS.md), and
+this export's pattern: onnxruntime.transformers' fusions do not match it (they expect its own exporter's graphs), and
 onnxscript's stop at the attention scores, the cache still concatenated. So it is matched
 here, with q, k and v taken whole where one Split made them, a Llama's rotary as ONNX
 Runtime's operator (components.build.ort_rotary), and the output handed on without the
