@@ -312,13 +312,18 @@ def recorded_gates_table(version_tags: Mapping[str, str], run_metrics: Mapping[s
     number was left out of its verdict."""
     measures = recorded_measures(version_tags, run_metrics)
     table = Table(show_edge=False, pad_edge=False, caption_justify="left")
-    for column in ("gate", "measure", "value", "interval", "limit", "result"):
-        table.add_column(column, justify="right" if column in ("value", "interval") else "left")
+    for column in ("measure", "value", "interval", "limit", "result"):
+        # A measure's name is what a reader looks up: it stays whole, the interval wraps.
+        table.add_column(column, justify="right" if column in ("value", "interval") else "left", no_wrap=column in ("measure", "value", "limit"))
+    gate = None
     for m in measures:
+        if m.gate != gate:  # a heading row per gate: one column fewer in an 80-column terminal
+            gate = m.gate
+            table.add_row(f"[bold]{gate}[/]")
         interval = f"[{m.shown(m.interval[0])}, {m.shown(m.interval[1])}]" if m.interval else ""
         limit = m.limit + m.unit if m.limit else ""
         style = {"FAIL": "red", "inconclusive": "yellow"}.get(m.result, "")
-        table.add_row(m.gate, m.measure, m.shown(m.value), interval, limit, m.result, style=style)
+        table.add_row(f"  {m.measure}", m.shown(m.value), interval, limit, m.result, style=style)
     notes = [f"{gate} measured with " + ", ".join(f"{k} {v}" for k, v in found.items()) for gate, found in recorded_conditions(version_tags, measures).items()]
     notes += [f"{m.gate}: {m.measure} left out of the verdict: {m.excluded}" for m in measures if m.excluded]
     if tags.GATES_MEASURED_ON in version_tags:

@@ -188,7 +188,7 @@ def lineage(lineage) -> None:
     aliases = " ".join(f"@{a}" for a in info.aliases) or "no alias"
     root = Tree(f"[bold]{info.name} version {info.version}[/] · {aliases}")
     data = root.add(f"data version [cyan]{tag(tags.DATA_MD5)}[/]")
-    model = data.add(f"trained model sha256 {tag(tags.SOURCE_MODEL_SHA256)[:12]}")
+    model = data.add(f"model sha256 {tag(tags.SOURCE_MODEL_SHA256)[:12]}")
     perplexity = lineage.run_metrics.get("train.eval_perplexity")
     if perplexity is not None:
         model.add(f"eval perplexity {perplexity:.2f}")
@@ -198,8 +198,7 @@ def lineage(lineage) -> None:
         f"engine sha256 [cyan]{tag(tags.ENGINE_SHA256)[:12]}[/] · {tag(tags.BACKEND)} {tag(tags.BACKEND_VERSION)} · {tag(tags.TARGET)} · profiles {tag(tags.PROFILES_SHA256)[:12]}"
     )
     passed = info.tags.get(tags.GATES_PASSED) == tags.TRUE
-    gates = engine.add(f"gates {_verdict_cell(info.tags.get(tags.GATES_VERDICT) or ('passed' if passed else 'failed'))}")
-    gates.add(recorded_gates_table(info.tags, lineage.run_metrics))
+    engine.add(f"gates {_verdict_cell(info.tags.get(tags.GATES_VERDICT) or ('passed' if passed else 'failed'))} (below)")
     if info.tags.get(tags.FORCED_REASON):
         engine.add(f"[yellow]promotion forced[/] by {tag(tags.FORCED_BY)} at {tag(tags.FORCED_AT)}: {tag(tags.FORCED_REASON)}")
     built = root.add(f"built from git {tag(tags.GIT_COMMIT)[:12]} with params sha256 {tag(tags.PARAMS_SHA256)[:12]} · run {info.run_id}")
@@ -207,6 +206,7 @@ def lineage(lineage) -> None:
         verb = "became" if move.version == info.version else "stopped being"
         built.add(f"{move.at} {verb} @{move.alias} (by {move.by}{': ' + move.reason if move.reason else ''})")
     console.print(root)
+    console.print(recorded_gates_table(info.tags, lineage.run_metrics))  # the terminal's whole width, not a tree's indent
 
 
 def deployments(served, listeners: list[str], prefect_api_url: str, where: str) -> None:
