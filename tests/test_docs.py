@@ -306,7 +306,7 @@ DURATION = r"(\d+ ?(?:[–-] ?\d+ ?minutes|minutes|min(?: \d+ s)?|s))"
 MACHINE = r"(?P<machine>Intel Xeon|AMD EPYC|Xeon Sapphire Rapids)"
 FIGURES: dict[str, tuple] = {
     "top-1 agreement of the default model's int8 engine": (_number, [
-        r"│ int8 +│ ([01]\.\d+) │",  # the table `make run` prints (README's sample output)
+        r"│ int8 +│ ([01]\.\d+) │[^`]{0,400}?kiln-gpt2 version",  # the table `make run` prints of the default model (README's sample output)
         rf"default (?:GPT-2|model)(?:'s)? int8 engine\b[^.\n]{{0,60}}?\btop-1(?: agreement)?[^\d\n]{{0,12}}?{TOP1}",
         rf"int8 engine of the default (?:GPT-2|model)\b[^.\n]{{0,60}}?\btop-1(?: agreement)?[^\d\n]{{0,12}}?{TOP1}",
         rf"\btop-1(?: agreement)? (?:of )?{TOP1} (?:for|of|on|from) the default (?:GPT-2|model)(?:'s)? int8 engine",
