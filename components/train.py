@@ -28,7 +28,7 @@ def model_from_data(data: DataVersion, params: ModelParams, out_root: Path) -> T
     """Train from scratch (or fine-tune a pretrained model); the result lands in a directory
     named by the content of what went in, written atomically. A pretrained model built as it
     is never comes here: the pipeline loads its directory."""
-    schedule = params.schedule
+    schedule: TrainingParams | None = params.schedule
     if schedule is None:
         raise TrainError(f"model.pretrained {params.pretrained} is built as it is: there is nothing to train (model.fine_tuning.enabled: true fine-tunes it)")
     digest = hashlib.sha256(json.dumps(params.identity(), sort_keys=True).encode()).hexdigest()
@@ -54,7 +54,7 @@ def _train_reproducibly(target: Path, data: DataVersion, params: ModelParams) ->
 
     if "avx2" not in _cpu_flags():
         raise TrainError("model.training.reproducible holds torch's kernels to AVX2, which this CPU does not have: set it to false here")
-    schedule = _schedule(params)
+    schedule: TrainingParams = _schedule(params)
     threads = schedule.threads or PORTABLE_THREADS
     section = "training" if params.pretrained is None else "fine_tuning"
     held = params.model_copy(update={section: schedule.model_copy(update={"threads": threads})})
@@ -94,7 +94,7 @@ def kernels_record(reproducible: bool, threads: int) -> dict[str, str | int]:
 
 
 def _schedule(params: ModelParams) -> TrainingParams:
-    schedule = params.schedule
+    schedule: TrainingParams | None = params.schedule
     assert schedule is not None, "model_from_data trains only where a schedule applies"
     return schedule
 
@@ -102,7 +102,7 @@ def _schedule(params: ModelParams) -> TrainingParams:
 def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
     import torch
 
-    schedule = _schedule(params)
+    schedule: TrainingParams = _schedule(params)
     quiet_transformers()
     torch.manual_seed(schedule.seed)
     if schedule.threads:

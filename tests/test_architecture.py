@@ -403,8 +403,8 @@ def params_fields(model: type, parent: str = "params", prefix: str = "") -> Iter
 def attribute_reads(tree: ast.AST) -> set[tuple[str, str]]:
     """(what the object was reached by, attribute) for each attribute read: `params.build.x`
     gives ("build", "x"); `config = params.serving; config.x` and `for s in p.scenarios: s.x`
-    follow the name to where it came from; an annotated parameter `p: LatencyGateParams`
-    gives ("LatencyGateParams", "x")."""
+    follow the name to where it came from; an annotated parameter `p: LatencyGateParams` or
+    name `p: LatencyGateParams | None = ...` gives ("LatencyGateParams", "x")."""
     found = set()
     for scope in ast.walk(tree):
         if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Module):
@@ -413,6 +413,8 @@ def attribute_reads(tree: ast.AST) -> set[tuple[str, str]]:
         if not isinstance(scope, ast.Module):
             origin |= {a.arg: ast.unparse(a.annotation) for a in [*scope.args.args, *scope.args.kwonlyargs] if a.annotation is not None}
         for node in ast.walk(scope):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):  # `s: TrainingParams = ...`
+                origin[node.target.id] = ast.unparse(node.annotation).split(" | ")[0]
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
                 value = node.value.value if isinstance(node.value, ast.Subscript) else node.value  # `row = p.targets[name]`
                 if isinstance(value, ast.Attribute):

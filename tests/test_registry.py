@@ -183,13 +183,13 @@ def test_an_alias_on_a_missing_model_is_a_registry_error(registry_target):
 
 
 def test_the_registry_target_is_the_configured_uri_or_the_projects_embedded_store(tmp_path):
-    from components.config import RegistryParams
+    from components.config import Params, RegistryParams
     from registry import registry_target
 
     def where(target: RegistryTarget) -> tuple:
         return target.tracking_uri, target.model_name, target.experiment, target.artifact_root
 
-    embedded = registry_target(RegistryParams(), tmp_path)
+    embedded = registry_target(Params().registry, tmp_path)  # the name, where params set none, is the model's
     assert where(embedded) == (f"sqlite:///{tmp_path}/mlruns/mlflow.db", "kiln-gpt2", "kiln", tmp_path / "mlruns" / "artifacts")
     named = registry_target(RegistryParams(tracking_uri="sqlite:////srv/store/db.sqlite", model_name="m", experiment="e"), tmp_path)
     assert where(named) == ("sqlite:////srv/store/db.sqlite", "m", "e", Path("/srv/store/artifacts"))
