@@ -19,6 +19,7 @@ from cronsim import CronSim, CronSimError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from components.errors import ConfigError
+from components.onnx_files import PROTOBUF_LIMIT_MB
 
 
 class _Section(BaseModel):
@@ -235,6 +236,8 @@ class ExportParams(_Section):
     """ONNX opset of the export."""
     parity_tolerance: float = Field(1e-4, gt=0)
     """Largest |Δlogits| allowed between the ONNX graph and PyTorch on the parity checks."""
+    external_data_above_mb: int = Field(PROTOBUF_LIMIT_MB, ge=0, le=PROTOBUF_LIMIT_MB)
+    """Weights over this size go to `model.onnx.data` beside the graph, in this stage and every one after it (one ONNX file holds at most 2 GB: protobuf's limit, the default); 0: always."""
 
 
 class ShapeRange(_Section):

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from components.errors import EngineError
 from components.files import file_sha256, text_sha256
+from components.onnx_files import files_sha256
 
 MANIFEST = "engine.json"
 FORMAT_VERSION = 1
@@ -72,6 +73,9 @@ class EngineManifest(_Frozen):
     target: str
     opset: int | None = None  # the ONNX opset; None for a program that never was ONNX (torch-cuda)
     engine_file: str
+    # The engine file's weights beside it (an ONNX graph's external data past protobuf's
+    # 2 GB); None: all in engine_file. engine_sha256 covers both (components.onnx_files).
+    engine_data_file: str | None = None
     engine_sha256: str
     inputs: list[str]
     outputs: list[str]
@@ -135,6 +139,12 @@ class EngineDir:
         return self.path / self.manifest.engine_file
 
     @property
+    def engine_files(self) -> list[Path]:
+        """The engine file, then its weights where they lie beside it: what engine_sha256 covers."""
+        data = self.manifest.engine_data_file
+        return [self.engine_file, *([self.path / data] if data else [])]
+
+    @property
     def sha256(self) -> str:
         return self.manifest.engine_sha256
 
@@ -169,14 +179,13 @@ def load_engine_dir(path: Path) -> EngineDir:
     if manifest.format_version != FORMAT_VERSION:
         raise EngineError(f"{path}: engine format {manifest.format_version}, this kiln reads {FORMAT_VERSION}")
     engine = EngineDir(path=path, manifest=manifest)
-    missing = [name for name in (manifest.engine_file, *TOKENIZER_FILES) if not (path / name).is_file()]
+    missing = [file.name for file in (*engine.engine_files, *(path / name for name in TOKENIZER_FILES)) if not file.is_file()]
     if missing:
         raise EngineError(f"engine directory {path} lacks {', '.join(missing)}")
-    actual = file_sha256(engine.engine_file)
+    actual = files_sha256(engine.engine_files)
     if actual != manifest.engine_sha256:
-        raise EngineError(
-            f"engine file {engine.engine_file} is corrupt: sha256 {actual[:12]}…, engine.json says {manifest.engine_sha256[:12]}…"
-        )
+        what = "engine file " + " and ".join(str(f) for f in engine.engine_files)
+        raise EngineError(f"{what} is corrupt: sha256 {actual[:12]}…, engine.json says {manifest.engine_sha256[:12]}…")
     _check_chat_template(path, manifest)
     return engine
 

@@ -15,7 +15,8 @@ from components.config import ExportParams, section_digest
 from components.engine_dir import LOGITS_POSITIONS
 from components.errors import ExportError
 from components.families import shape_of
-from components.files import file_sha256, stage_output
+from components.files import stage_output
+from components.onnx_files import onnx_files, onnx_sha256
 from components.model_dir import TrainedModel, load_model
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class ExportedOnnx:
 
     def is_intact(self) -> bool:
         """Still on disk and unchanged since it was made (a cached result may outlive its files)."""
-        return self.path.is_file() and file_sha256(self.path) == self.sha256
+        return all(f.is_file() for f in onnx_files(self.path)) and onnx_sha256(self.path) == self.sha256
 
 
 def kv_layout_of(model) -> KVLayout:
@@ -107,7 +108,7 @@ def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -
     """Export with a KV cache (dynamic batch, sequence and past length) and check parity."""
     torch_model = _with_matmul_attention(_attending_to_the_whole_context(load_model(model.path)))
     layout = kv_layout_of(torch_model)
-    build = lambda staging: _export(torch_model, layout, params.opset, staging / ONNX_FILE)  # noqa: E731
+    build = lambda staging: _export(torch_model, layout, params.opset, staging / ONNX_FILE, params.external_data_above_mb)  # noqa: E731
     target = stage_output(out_root / f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{model.sha256[:12]}", ONNX_FILE, build)
     parity = parity_against_torch(torch_model, target / ONNX_FILE, layout, params.parity_tolerance)
     if not parity.passed:
@@ -116,7 +117,7 @@ def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -
             f"prefill {parity.prefill_max_abs_diff:.3g}, decode {parity.decode_max_abs_diff:.3g}, "
             f"tolerance {parity.tolerance:g} (off by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) - parity.tolerance:.3g})"
         )
-    return ExportedOnnx(path=target / ONNX_FILE, sha256=file_sha256(target / ONNX_FILE), opset=params.opset, layout=layout, parity=parity)
+    return ExportedOnnx(path=target / ONNX_FILE, sha256=onnx_sha256(target / ONNX_FILE), opset=params.opset, layout=layout, parity=parity)
 
 
 def _attending_to_the_whole_context(model):
@@ -187,7 +188,7 @@ def _additive_mask(attention_mask, new_tokens: int, dtype):
     return torch.where(seen, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
 
 
-def _export(model, layout: KVLayout, opset: int, path: Path) -> None:
+def _export(model, layout: KVLayout, opset: int, path: Path, external_above_mb: int) -> None:
     import torch
     from torch.export import Dim
 
@@ -215,7 +216,8 @@ def _export(model, layout: KVLayout, opset: int, path: Path) -> None:
     except Exception as err:  # torch.export raises a zoo of types; all mean "export failed"
         raise ExportError(f"torch.onnx.export of the model failed: {type(err).__name__}: {err}") from err
     _drop_stack_traces(program.model)
-    program.save(str(path), external_data=False)  # one file: its sha256 is the engine's identity
+    weights = sum(value.const_value.nbytes for value in program.model.graph.initializers.values() if value.const_value is not None)
+    program.save(str(path), external_data=weights > external_above_mb << 20)  # beside it in model.onnx.data (components.onnx_files)
 
 
 def _drop_stack_traces(model: onnx_ir.Model) -> None:

@@ -23,7 +23,8 @@ from components.config import TORCH_CUDA_ONLY_PRECISIONS, Fp16Params, Int4Params
 from components.engine_dir import LOGITS_POSITIONS
 from components.errors import BuildError
 from components.export import ExportedOnnx
-from components.files import file_sha256, stage_output
+from components.files import stage_output
+from components.onnx_files import data_file, has_external_data, onnx_files, onnx_sha256, save_onnx
 from components.progress import stage_progress
 
 ONNX_FILE = "model.onnx"
@@ -81,7 +82,7 @@ def precision_onnx(
             fp16_onnx(onnx.path, params.fp16, staging / ONNX_FILE)
 
     stage_output(target, ONNX_FILE, build)
-    converted = replace(onnx, path=target / ONNX_FILE, sha256=file_sha256(target / ONNX_FILE))
+    converted = replace(onnx, path=target / ONNX_FILE, sha256=onnx_sha256(target / ONNX_FILE))
     return PrecisionOnnx(
         onnx=converted,
         precision=precision,
@@ -125,13 +126,7 @@ def _weight_blocks_onnx(
     `rescore_top` logits rescored from its float weights."""
     import logging
 
-    import onnx as onnx_lib
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    prepared = output.with_name("prepared.onnx")
-    quant_pre_process(str(source), str(prepared), skip_optimization=False, auto_merge=True)
-    model = onnx_lib.load(str(prepared))
-    prepared.unlink()
+    model = _prepared(source, output.with_name("prepared.onnx"))
     _gemms_as_matmuls(model)
     heads = _lm_head_nodes(model)
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node otherwise
@@ -141,7 +136,23 @@ def _weight_blocks_onnx(
         model = blocks.apply(model, lm_head_bits, include=heads)
         for head in float_heads:
             head.rescore_top(model, rescore_top)
-    onnx_lib.save(model, str(output))
+    save_onnx(model, output, external=has_external_data(source))
+
+
+def _prepared(source: Path, prepared: Path):
+    """The graph after ONNX Runtime's pre-processing for quantization (symbolic shapes,
+    constants folded), loaded; its files removed. External data stays external: a graph past
+    2 GB cannot be written otherwise, and ONNX Runtime would go on without the optimization."""
+    import onnx as onnx_lib
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    external = has_external_data(source)
+    quant_pre_process(str(source), str(prepared), skip_optimization=False, auto_merge=True, save_as_external_data=external,
+                      all_tensors_to_one_file=True, external_data_location=data_file(prepared).name)  # fmt: skip
+    model = onnx_lib.load(str(prepared))
+    for file in onnx_files(prepared):
+        file.unlink()
+    return model
 
 
 @dataclass(frozen=True)
@@ -318,19 +329,22 @@ def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8P
     # through a Transpose (the tied lm_head) becomes an initializer that is quantized once,
     # per channel, instead of being re-quantized as an activation on every step. auto_merge:
     # the mask's key axis (the input's total_sequence) is the cache's past + sequence.
-    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False, auto_merge=True)
-    model = onnx_lib.load(str(prepared))
+    external = has_external_data(onnx.path)
+    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False, auto_merge=True, save_as_external_data=external,
+                      all_tensors_to_one_file=True, external_data_location=data_file(prepared).name)  # fmt: skip
+    model = onnx_lib.load(str(prepared), load_external_data=False)  # node names only
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
     feeds = CalibrationFeeds(onnx, calibration)
     # The histogram collectors print a line per collection (one per feed here): keep stdout
     # for the progress bar.
     with stage_progress("int8 calibration", total=len(feeds)) as advance, contextlib.redirect_stdout(io.StringIO()):
         feeds.on_feed = lambda: advance(1, "")
-        _quantize(prepared, output, feeds, params, methods[params.calibration_method], nodes_kept_float(model, params))
-    prepared.unlink()
+        _quantize(prepared, output, feeds, params, methods[params.calibration_method], nodes_kept_float(model, params), external)
+    for file in onnx_files(prepared):
+        file.unlink()
 
 
-def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int8Params, method, kept_float: list[str]) -> None:
+def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int8Params, method, kept_float: list[str], external: bool) -> None:
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     quantize_static(
@@ -345,6 +359,7 @@ def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int
         op_types_to_quantize=list(params.op_types),
         calibrate_method=method,
         nodes_to_exclude=kept_float,
+        use_external_data_format=external,
         extra_options={
             "ActivationSymmetric": True,
             "WeightSymmetric": True,
@@ -427,7 +442,7 @@ def fp16_onnx(source: Path, params: Fp16Params, output: Path) -> None:
         disable_shape_infer=False,
     )
     _drop_output_downcast(converted, "logits")
-    onnx_lib.save(converted, str(output))
+    save_onnx(converted, output, external=has_external_data(source))
 
 
 def rms_norm_nodes(model) -> list[str]:

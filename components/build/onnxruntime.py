@@ -15,6 +15,7 @@ from components.build.ort_norms import fuse_rms_norms
 from components.build.packaging import BackendBuild, engine_folder, package_engine
 from components.config import BuildParams, section_digest
 from components.engine_dir import EngineDir, Lineage
+from components.onnx_files import has_external_data, save_onnx
 from components.precision import PrecisionOnnx
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def write_engine_file(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
     model, in_place = ort_engine_graph(onnx.load(str(graph.onnx.path)), layout.num_heads, layout.num_kv_heads)
     if not in_place:
         log.warning("%s: attention not fused (its pattern differs from the export's); the cache grows by copies", graph.onnx.path)
-    onnx.save(model, str(path))
+    save_onnx(model, path, external=has_external_data(graph.onnx.path))
     return {"kv_in_place": in_place}
 
 

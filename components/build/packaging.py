@@ -23,6 +23,7 @@ from components.engine_dir import (
 )
 from components.files import file_sha256, stage_output
 from components.model_dir import chat_template_of, eos_token_ids
+from components.onnx_files import data_file, has_external_data, onnx_sha256
 from components.precision import PrecisionOnnx
 
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
@@ -90,7 +91,8 @@ def _manifest(staging: Path, build: BackendBuild, graph: PrecisionOnnx, tokenize
         target=build.target,
         opset=graph.onnx.opset,
         engine_file=build.engine_file,
-        engine_sha256=file_sha256(staging / build.engine_file),
+        engine_data_file=data_file(staging / build.engine_file).name if has_external_data(staging / build.engine_file) else None,
+        engine_sha256=onnx_sha256(staging / build.engine_file),
         inputs=layout.input_names,
         outputs=layout.output_names,
         num_layers=layout.num_layers,
