@@ -783,8 +783,7 @@ class Params(_Section):
     @model_validator(mode="after")
     def _shapes_fit(self) -> Params:
         """What can be known before any work: every length the pipeline will ask of an engine
-        fits its profiles, and the profiles fit the model's context (for a model trained
-        here; a pretrained model's context is checked once it is loaded)."""
+        fits its profiles (the profiles against the model: once the model is known)."""
         problems = shape_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
@@ -814,9 +813,10 @@ class Params(_Section):
         return section_digest(self)
 
 
-def shape_problems(params: Params, model_dir_given: bool = False) -> list[str]:
-    """What does not fit the profiles; the model trained from scratch's context too, unless
-    the engines are built from a model directory (which is checked on its own)."""
+def shape_problems(params: Params) -> list[str]:
+    """What the pipeline asks of an engine that does not fit its profiles. The profiles
+    against the model's context: `scratch_model_problems` for the model trained from
+    scratch, components.model_fit for a model directory."""
     profiles, latency, quality = params.build.profiles, params.gates.latency, params.gates.quality
     context = profiles.context.max
     checks = [
@@ -829,10 +829,16 @@ def shape_problems(params: Params, model_dir_given: bool = False) -> list[str]:
     for s in params.gates.serving.scenarios:
         checks.append((s.prompt_tokens <= profiles.prompt.max, f"gates.serving scenario {s.name}: prompt_tokens ({s.prompt_tokens}) exceeds build.profiles.prompt.max ({profiles.prompt.max})"))
         checks.append((s.prompt_tokens + s.new_tokens <= context, f"gates.serving scenario {s.name}: prompt_tokens + new_tokens ({s.prompt_tokens + s.new_tokens}) exceeds build.profiles.context.max ({context})"))
-    if params.model.pretrained is None and not model_dir_given:
-        n_positions = params.model.architecture.n_positions
-        checks.append((context <= n_positions, f"build.profiles.context.max ({context}) is longer than the model's context, model.architecture.n_positions ({n_positions})"))
     return [message for ok, message in checks if not ok]
+
+
+def scratch_model_problems(params: Params) -> list[str]:
+    """The profiles against the context of the model trained from scratch: checked where a
+    run trains one (`kiln build --model DIR` builds another, whatever the architecture says)."""
+    context, n_positions = params.build.profiles.context.max, params.model.architecture.n_positions
+    if params.model.pretrained is None and context > n_positions:
+        return [f"build.profiles.context.max ({context}) is longer than the model's context, model.architecture.n_positions ({n_positions})"]
+    return []
 
 
 def section_digest(section: BaseModel) -> str:

@@ -93,7 +93,7 @@ def fitted_to_model(params: Params, model_dir: Path) -> tuple[Params, str | None
     fitted_context = ShapeRange(min=min(context.min, fit.context), opt=min(context.opt, fit.context), max=fit.context)
     build = params.build.model_copy(update={"profiles": profiles.model_copy(update={"context": fitted_context})})
     fitted = params.model_copy(update={"build": build})
-    problems = shape_problems(fitted, model_dir_given=True)
+    problems = shape_problems(fitted)
     if problems:
         raise ConfigError(f"{fit.note()}; then " + "; ".join(problems))
     return fitted, fit.note()

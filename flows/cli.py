@@ -176,6 +176,8 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
         from components.model_dir import pretrained_directory
 
         params = _fitted_to_model(model_dir or pretrained_directory(params.model.pretrained), params)
+    else:
+        _check_scratch_model(params, params_file)
     preflight(registry_target(params.registry, root), registering=True)  # before Prefect's server starts (seconds)
     if fresh:
         import shutil
@@ -204,6 +206,16 @@ def _model_to_build(model_dir: Path | None, params) -> Path:
     from components.model_dir import pretrained_directory
 
     return model_dir.resolve() if model_dir else pretrained_directory(params.model.pretrained)
+
+
+def _check_scratch_model(params, params_file: Path) -> None:
+    """The profiles against the context of the model a run will train, before it trains."""
+    from components.config import scratch_model_problems
+    from components.errors import ConfigError
+
+    problems = scratch_model_problems(params)
+    if problems:
+        raise ConfigError(f"{params_file}: " + "; ".join(problems))
 
 
 def _fitted_to_model(model_dir: Path, params):

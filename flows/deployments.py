@@ -31,8 +31,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from components.config import CONTROL_QUEUE, Params, load_params
-from components.errors import GateFailed, KilnError
+from components.config import CONTROL_QUEUE, Params, load_params, scratch_model_problems
+from components.errors import ConfigError, GateFailed, KilnError
 from flows.events import ALIAS_SET, DATA_CHANGED, data_resource, registry_resource
 from registry import RegistryTarget, VersionInfo
 
@@ -57,6 +57,8 @@ def _project(project: str, params_file: str) -> tuple[Path, Params]:
         params, note = fit_to_model(params, pretrained_directory(params.model.pretrained, root))
         if note:
             get_run_logger().info(note)
+    elif problems := scratch_model_problems(params):
+        raise ConfigError(f"{root / params_file}: " + "; ".join(problems))
     return root, params
 
 

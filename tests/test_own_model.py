@@ -79,6 +79,14 @@ def test_a_model_trained_from_scratch_gets_its_own_context_where_params_set_none
     assert Params().build.profiles.context.max == 256
 
 
+def test_a_context_past_the_scratch_models_is_a_problem_only_for_a_run_that_trains_it():
+    from components.config import scratch_model_problems
+
+    long = Params.model_validate({"build": {"profiles": {"context": {"min": 2, "opt": 64, "max": 1024}}}})  # `kiln build --model DIR` builds DIR's
+    assert scratch_model_problems(long) == ["build.profiles.context.max (1024) is longer than the model's context, model.architecture.n_positions (256)"]
+    assert scratch_model_problems(Params()) == []
+
+
 def test_the_train_stage_refuses_a_model_built_as_it_is(tmp_path, data_version, tiny_model):
     from components.train import model_from_data
 
