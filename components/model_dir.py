@@ -122,13 +122,17 @@ def stored_dtype(path: Path) -> str:
 
 
 def load_model(path: Path):
-    """The PyTorch model of a model directory, in eval mode; TrainError if it cannot load."""
+    """The PyTorch model of a model directory in fp32, in eval mode; TrainError if it cannot
+    load. fp32 whatever the weights were saved in: transformers 5 loads a bf16 model (Llama 3,
+    Qwen2.5) as bf16, which the export traces into a graph ONNX Runtime's CPU cannot run, and
+    which the gates would compute at bf16's precision, not the model's weights' own."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     check_model_directory(path)
     quiet_transformers()
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     except Exception as err:  # safetensors, torch and transformers each raise their own types
         raise TrainError(f"cannot load model from {path}: {type(err).__name__}: {err}") from err
 

@@ -171,3 +171,22 @@ def test_kiln_run_builds_a_pretrained_directory_as_it_is_under_its_own_name_and_
     engine = json.loads(next((root / ".kiln" / "stages" / "engines").rglob("engine.json")).read_text())
     assert engine["lineage"]["source_model_sha256"] == directory_sha256(root / "models" / "tiny-gpt2-chat")
     assert engine["profiles"]["generation"]["past"]["max"] == 127  # context 128
+
+
+def test_a_model_published_in_bf16_exports_in_fp32_at_parity(tmp_path, tiny_model, params):
+    # Llama 3 and Qwen2.5 are saved in bf16, and transformers 5 loads a model in its saved dtype.
+    import onnx
+    import torch
+
+    from components.export import onnx_from_model
+    from components.model_dir import load_model, model_from_directory
+
+    bf16 = tmp_path / "bf16"
+    load_model(tiny_model.path).to(torch.bfloat16).save_pretrained(bf16)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model.path / name, bf16 / name)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    exported = onnx_from_model(model_from_directory(bf16), params.export, tmp_path / "onnx")
+    assert exported.parity.passed
+    types = {t.data_type for t in onnx.load(str(exported.path)).graph.initializer}
+    assert onnx.TensorProto.BFLOAT16 not in types and onnx.TensorProto.FLOAT in types
