@@ -8,7 +8,6 @@ Read from config.json and the weight files' sizes: no torch, seconds before any 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +15,8 @@ from components.config import Params, ShapeRange, shape_problems
 from components.errors import ConfigError
 from components.families import shape_of
 from components.model_dir import check_fits_model_directory, check_model_directory, read_config, stored_dtype
+from components.resources import GIB, machine_memory
 
-GIB = 1 << 30
 KV_BYTES = 4  # ONNX Runtime's engines keep the cache in fp32, whatever the weights' precision
 BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -120,11 +119,3 @@ def parameter_count(model_dir: Path) -> int:
     few KB of gigabytes: close enough for a memory budget)."""
     files = [*model_dir.glob("*.safetensors")] or [*model_dir.glob("*.bin")]
     return sum(f.stat().st_size for f in files) // STORED_BYTES[stored_dtype(model_dir)]
-
-
-def machine_memory() -> int:
-    """Physical memory, or the cgroup's limit where a container sets a lower one."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = Path("/sys/fs/cgroup/memory.max")
-    text = limit.read_text().strip() if limit.is_file() else "max"
-    return min(physical, int(text)) if text.isdigit() else physical

@@ -13,6 +13,7 @@ its output is still there and unchanged (`CachedStage`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -23,6 +24,8 @@ from typing import Any, Protocol
 
 from prefect import get_run_logger, task
 from pydantic import BaseModel
+
+from components.resources import measured
 
 
 def stage_version(fn: Callable) -> str:
@@ -75,7 +78,7 @@ class CachedStage:
 
     def __init__(self, fn: Callable, name: str) -> None:
         self.name = name
-        self.task = task(name=name, cache_key_fn=task_cache_key, persist_result=True)(fn)
+        self.task = task(name=name, cache_key_fn=task_cache_key, persist_result=True)(_measured(fn, name))
         self._rerun = self.task.with_options(refresh_cache=True)
 
     def __call__(self, *args: Any) -> StageOutput:
@@ -86,3 +89,17 @@ class CachedStage:
         get_run_logger().warning("%s: the cached output %s is gone or changed; running the stage again", self.name, value.output_dir)
         shutil.rmtree(value.output_dir, ignore_errors=True)
         return self._rerun(*args)
+
+
+def _measured(fn: Callable, name: str) -> Callable:
+    """`fn` logging, when it runs (not when its result is reused), its time and the process's
+    peak memory while it ran: what a model's size costs each stage."""
+
+    @functools.wraps(fn)  # the task's name, parameters and STAGE_VERSION stay fn's
+    def run(*args: Any) -> Any:
+        with measured() as usage:
+            result = fn(*args)
+        get_run_logger().info("%s: %s", name, usage.text())
+        return result
+
+    return run

@@ -8,7 +8,7 @@ from components.config import ExportParams
 from components.model_dir import TrainedModel
 from flows.caching import content_key, stage_version
 
-GOLDEN_EXPORT_KEY = "da26ed950cc237313b47aba534f0d75fbfbdab4d6d5c96ea60253cfe0fc74b2d"
+GOLDEN_EXPORT_KEY = "f4ee35908f2ef33afb18214a6147ffdaa4833b338a0eb54d5f150b99ee5921d6"  # export.external_data_above_mb joined ExportParams: the export runs once again
 
 
 def model(sha256: str, where: str = "/models/a") -> TrainedModel:
@@ -87,3 +87,19 @@ def test_a_section_holding_paths_and_dates_has_a_key_from_its_json_form(tmp_path
     key = content_key("stage", "1", {"params": Section(where=tmp_path, since=date(2026, 12, 1))})
     assert key == content_key("stage", "1", {"params": Section(where=str(tmp_path), since="2026-12-01")})
     assert key != content_key("stage", "1", {"params": Section(where=tmp_path / "x", since=date(2026, 12, 1))})
+
+
+def test_a_stages_peak_memory_is_its_own_not_the_stage_befores():
+    import numpy as np
+
+    from components.resources import measured
+
+    with measured() as big:
+        block = np.ones(256 << 20, np.uint8)  # 256 MiB, every page written
+        del block
+    with measured() as small:
+        pass
+    if small.since_start:
+        pytest.skip("this kernel keeps no resettable peak (/proc/self/clear_refs)")
+    assert big.peak_bytes - small.peak_bytes >= 200 << 20
+    assert big.text().startswith("0 s, peak memory") and "GiB" in big.text()

@@ -1,0 +1,67 @@
+"""This machine's memory and what a stage takes of it: the budget a model is fitted to, and
+each stage's peak, measured, so that sizes are planned from numbers rather than guessed."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+def machine_memory() -> int:
+    """Physical memory, or the cgroup's limit where a container sets a lower one."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = Path("/sys/fs/cgroup/memory.max")
+    text = limit.read_text().strip() if limit.is_file() else "max"
+    return min(physical, int(text)) if text.isdigit() else physical
+
+
+@dataclass
+class Usage:
+    """What one stage took: wall time and this process's peak resident memory while it ran."""
+
+    seconds: float = 0.0
+    peak_bytes: int = 0
+    since_start: bool = False  # the peak is the process's since it started (no per-stage reset here)
+
+    def text(self) -> str:
+        peak = f"peak memory {self.peak_bytes / GIB:.1f} GiB" + (" (of the process so far)" if self.since_start else "")
+        minutes, seconds = divmod(round(self.seconds), 60)
+        return f"{f'{minutes} min ' if minutes else ''}{seconds} s, {peak}"
+
+
+@contextmanager
+def measured() -> Iterator[Usage]:
+    """Time the block and the process's peak resident memory within it: Linux resets the
+    peak (VmHWM) on writing 5 to /proc/self/clear_refs; elsewhere the process's lifetime peak
+    is all there is, and the usage says so."""
+    usage = Usage(since_start=not _reset_peak())
+    start = time.perf_counter()
+    try:
+        yield usage
+    finally:
+        usage.seconds = time.perf_counter() - start
+        usage.peak_bytes = _peak_bytes()
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes() -> int:
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.is_file() else []
+    for line in lines:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
