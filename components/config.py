@@ -764,7 +764,9 @@ class Params(_Section):
         """registry.model_name, from the model where params.yaml names none: every verb that
         reads these params (run, serve, promote) then names the same registered model."""
         if self.registry.model_name is None:  # frozen: set once, here, as validation ends
-            object.__setattr__(self, "registry", self.registry.model_copy(update={"model_name": model_name_for(self.model)}))
+            # Still unset as far as fields_set tells: `kiln build --model DIR` names it after DIR.
+            named = RegistryParams.model_construct(_fields_set=set(self.registry.model_fields_set), **(dict(self.registry) | {"model_name": model_name_for(self.model)}))
+            object.__setattr__(self, "registry", named)
         return self
 
     @model_validator(mode="after")

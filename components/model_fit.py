@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.config import Params, ShapeRange, shape_problems
+from components.config import Params, ShapeRange, model_name_for, shape_problems
 from components.errors import ConfigError
 from components.families import shape_of
 from components.model_dir import check_fits_model_directory, check_model_directory, read_config, stored_dtype
@@ -65,13 +65,25 @@ class ContextFit:
         )
 
 
-def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, str | None]:
-    """A model directory of a family kiln builds, and `params` fitted to it and checked
-    against it (fitted_to_model, then check_fits_model_directory): in seconds, before any work."""
+def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, list[str]]:
+    """A model directory of a family kiln builds, and `params` fitted to it (its context, and
+    its name where neither params.yaml nor model.pretrained gives one) and checked against
+    it: in seconds, before any work. The lines saying what was derived."""
     check_model_directory(model_dir)
     params, note = fitted_to_model(params, model_dir)
+    params, named = named_after(params, model_dir)
     check_fits_model_directory(model_dir, params.build.profiles, params.sample)
-    return params, note
+    return params, [line for line in (note, named) if line]
+
+
+def named_after(params: Params, model_dir: Path) -> tuple[Params, str | None]:
+    """`kiln build --model DIR` with no name in params.yaml registers DIR under DIR's name,
+    and says how the other verbs, which read only params.yaml, find it."""
+    if params.model.pretrained or "model_name" in params.registry.model_fields_set:
+        return params, None
+    name = model_name_for(params.model.model_copy(update={"pretrained": str(model_dir)}))
+    named = params.model_copy(update={"registry": params.registry.model_copy(update={"model_name": name})})
+    return named, f"registered as {name}, the model directory's name: registry.model_name: {name} in params.yaml names it for kiln serve and kiln promote too"
 
 
 def fitted_to_model(params: Params, model_dir: Path) -> tuple[Params, str | None]:

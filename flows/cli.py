@@ -223,8 +223,8 @@ def _fitted_to_model(model_dir: Path, params):
     saying so printed) and checked against it, before any work."""
     from components.model_fit import fit_to_model
 
-    params, note = fit_to_model(params, model_dir)
-    if note:
+    params, notes = fit_to_model(params, model_dir)
+    for note in notes:
         render.note(note)
     return params
 

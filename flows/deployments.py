@@ -54,8 +54,8 @@ def _project(project: str, params_file: str) -> tuple[Path, Params]:
         from components.model_dir import pretrained_directory
         from components.model_fit import fit_to_model
 
-        params, note = fit_to_model(params, pretrained_directory(params.model.pretrained, root))
-        if note:
+        params, notes = fit_to_model(params, pretrained_directory(params.model.pretrained, root))
+        for note in notes:
             get_run_logger().info(note)
     elif problems := scratch_model_problems(params):
         raise ConfigError(f"{root / params_file}: " + "; ".join(problems))

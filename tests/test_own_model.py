@@ -149,6 +149,22 @@ def test_a_sliding_window_bounds_the_derived_context(tmp_path, monkeypatch):
     assert fitted_to_model(Params(), model_dir(tmp_path / "m", mistral, GIB))[0].build.profiles.context.max == 4096
 
 
+def test_kiln_build_of_a_directory_names_it_after_the_directory_where_params_name_nothing(tmp_path, tiny_model):
+    from components.model_fit import fit_to_model
+
+    model = shutil.copytree(tiny_model.path, tmp_path / "support-bot-v3")
+    written = tiny_params(tmp_path).model_dump(mode="json")
+    del written["registry"]["model_name"], written["build"]["profiles"]["context"]
+    fitted, notes = fit_to_model(Params.model_validate(written), model)
+    assert fitted.registry.model_name == "support-bot-v3"
+    assert notes == [
+        "build.profiles.context.max 128 from the model's 128 positions",
+        "registered as support-bot-v3, the model directory's name: registry.model_name: support-bot-v3 in params.yaml names it for kiln serve and kiln promote too",
+    ]
+    named, notes = fit_to_model(Params.model_validate(written | {"registry": {"model_name": "chosen"}}), model)
+    assert named.registry.model_name == "chosen" and len(notes) == 1
+
+
 # ---------------------------------------------------------------- kiln run on a pretrained directory
 
 
