@@ -453,6 +453,9 @@ def latency_gate_as_served(engine_path: Path, prompt: list[int], params: Latency
 
 def _latency_in_this_process(engine_path: Path, prompt: list[int], params: LatencyGateParams, threads: int | None) -> GateResult:
     from components.runtime import load_engine
+    from components.runtime.onnxruntime import keep_freed_memory
+
+    keep_freed_memory()  # as kiln serve's engine process does
 
     with load_engine(engine_path, threads=threads) as engine:
         timed = latency_gate(engine, prompt, params)

@@ -227,9 +227,11 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
     # sees its pipe close and exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from components.runtime.onnxruntime import keep_freed_memory
     from components.runtime.tokenizer import EngineTokenizer
     from serving.loader import load_warm
 
+    keep_freed_memory()
     try:
         engine = load_warm(pulled, options.threads)
     except Exception as err:  # VersionRefused, or anything else that stops it serving: the server says which

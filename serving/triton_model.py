@@ -20,6 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # Triton's own module, present only inside its Python backend
 
 from components.engine_dir import load_engine_dir
+from components.runtime.onnxruntime import keep_freed_memory
 from components.runtime import open_engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
@@ -46,6 +47,7 @@ class TritonPythonModel:
         threads = int(parameters.get("kiln.threads", {}).get("string_value", "1"))
         max_waiting = int(parameters.get("kiln.max_waiting", {}).get("string_value", "64"))
         self.tokenizer = EngineTokenizer(engine_dir.path)
+        keep_freed_memory()  # as kiln serve's engine process does
         engine = open_engine(engine_dir, threads=threads)
         engine.generate([[engine.manifest.eos_token_id]], Sampling(max_new_tokens=2, stop_at_eos=False))  # warm, as kiln serve does
         engine.prepare_to_serve()

@@ -31,7 +31,6 @@ class OrtEngine(Engine):
         import onnxruntime as ort
 
         super().__init__(engine_dir)
-        _keep_freed_memory()
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -111,11 +110,14 @@ class OrtEngine(Engine):
 
 
 @functools.cache
-def _keep_freed_memory() -> None:
+def keep_freed_memory() -> None:
     """glibc gives freed memory at the heap's top back to the OS, and large blocks are mmapped
     and unmapped, so the next multi-MB cache buffer (a batch's rows changed) is faulted in
     page by page: 0.5-0.6 ms instead of 0.06 for four 0.5 MB buffers. Keep freed memory in
-    the process, as ONNX Runtime's arena keeps its own. Once per process; not glibc: nothing."""
+    the process, as ONNX Runtime's arena keeps its own. Once per process; not glibc: nothing.
+    Only in a process that serves (kiln serve's engine process, the latency gate's): where a
+    build loads gigabytes of weights, the memory it freed would stay held (a 1B model's
+    build was killed for memory)."""
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
