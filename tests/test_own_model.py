@@ -143,6 +143,17 @@ def test_a_model_whose_weights_leave_no_memory_is_refused_naming_both_sizes(tmp_
         fitted_to_model(Params(), model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
 
 
+def test_a_model_too_big_to_build_here_is_refused_before_any_work_naming_both_sizes(tmp_path, tiny_model):
+    from components.model_fit import check_build_memory
+
+    model = shutil.copytree(tiny_model.path, tmp_path / "big")
+    with (model / "model.safetensors").open("r+b") as weights:
+        weights.truncate(int(3.2e9) * 4)  # a 3B model's fp32 weights (sparse: nothing written)
+    with pytest.raises(ConfigError, match=r"too big to build here: 3\.20B parameters need about 57\.0 GiB .* this machine has 24\.0 GiB"):
+        check_build_memory(model, 24 * GIB)
+    check_build_memory(model, 64 * GIB)  # where it fits, nothing is said
+
+
 def test_a_sliding_window_bounds_the_derived_context(tmp_path, monkeypatch):
     with_memory(monkeypatch, 512)
     mistral = LLAMA_3B | {"model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
