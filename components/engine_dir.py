@@ -168,8 +168,10 @@ def write_manifest(path: Path, manifest: EngineManifest) -> None:
     (path / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
 
 
-def load_engine_dir(path: Path) -> EngineDir:
-    """Read an engine directory and verify it: manifest valid, files present, sha256 matches."""
+def load_engine_dir(path: Path, files_verified: bool = False) -> EngineDir:
+    """Read an engine directory and verify it: manifest valid, files present, sha256 matches.
+    `files_verified`: a signature over every file of the directory was verified just now, so
+    the engine files (gigabytes at size) are not read a second time to hash them."""
     if not (path / MANIFEST).is_file():
         raise EngineError(f"{path} is not an engine directory: no {MANIFEST}")
     try:
@@ -182,7 +184,7 @@ def load_engine_dir(path: Path) -> EngineDir:
     missing = [file.name for file in (*engine.engine_files, *(path / name for name in TOKENIZER_FILES)) if not file.is_file()]
     if missing:
         raise EngineError(f"engine directory {path} lacks {', '.join(missing)}")
-    actual = files_sha256(engine.engine_files)
+    actual = manifest.engine_sha256 if files_verified else files_sha256(engine.engine_files)
     if actual != manifest.engine_sha256:
         what = "engine file " + " and ".join(str(f) for f in engine.engine_files)
         raise EngineError(f"{what} is corrupt: sha256 {actual[:12]}…, engine.json says {manifest.engine_sha256[:12]}…")

@@ -30,14 +30,15 @@ def check_gates(info: VersionInfo) -> None:
 
 def verified_engine_dir(info: VersionInfo, local: Path, signing: Signing) -> tuple[EngineDir, str | None]:
     """The downloaded engine directory and the fingerprint of the trusted key that signed it:
-    its signature verified first, then the directory checked against itself (engine.json
-    readable, files present, engine file sha256 as engine.json says) and the version's tags."""
+    its signature verified first (which hashes every file, once), then the directory checked
+    against itself (engine.json readable, files present; the engine files' sha256 as
+    engine.json says, hashed here only where no signature covered them) and the version's tags."""
     signer = verified_signer(info, local, signing)
     expected = info.tags.get(tags.ENGINE_SHA256)
     if not expected:
         raise VersionRefused(f"{_name(info)} is refused: it has no {tags.ENGINE_SHA256} tag")
     try:
-        engine_dir = load_engine_dir(local)
+        engine_dir = load_engine_dir(local, files_verified=signer is not None)  # the signature hashed every file
     except EngineError as err:
         raise VersionRefused(f"{_name(info)} is refused: {err}") from err
     if engine_dir.sha256 != expected:

@@ -83,3 +83,22 @@ def test_an_engine_with_external_weights_is_registered_signed_and_pulled_verifie
     pulled = loader.pull_version(registry_target, registration.version, tmp_path / "cache")
     assert pulled.engine_dir.sha256 == engine.sha256
     assert (pulled.engine_dir.path / "model.onnx.data").read_bytes() == (engine.path / "model.onnx.data").read_bytes()
+
+
+def test_a_signed_pull_reads_the_engine_files_once_and_an_unsigned_one_hashes_them(engines_beside, registry_target, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    import components.engine_dir
+    from registry.signing import SIGNATURE_FILE
+
+    hashed = []
+    real = components.engine_dir.files_sha256
+    monkeypatch.setattr(components.engine_dir, "files_sha256", lambda paths: hashed.append([p.name for p in paths]) or real(paths))
+    engine = engines_beside["fp32"]
+    registration = register_engine(registry_target, engine.path, engine.sha256, record())
+    pulled = loader.pull_version(registry_target, registration.version, tmp_path / "cache")
+    assert hashed == []  # the signature's check read every byte; load_engine_dir did not read them again
+    (pulled.engine_dir.path / SIGNATURE_FILE).unlink()  # a store from before signing, allowed while migrating
+    migrating = replace(registry_target, signing=replace(registry_target.signing, required=False))
+    loader.pull_version(migrating, registration.version, tmp_path / "cache")
+    assert hashed == [["model.onnx", "model.onnx.data"]]  # no signature: the files are hashed against engine.json
