@@ -106,6 +106,13 @@ class EngineManifest(_Frozen):
         return self.num_kv_heads or self.num_heads
 
     @cached_property
+    def kv_bytes_per_token(self) -> int:
+        """One sequence's KV cache per token: keys and values of every layer. fp32 but in the
+        torch-cuda program of a 16-bit precision (ONNX graphs keep fp32 inputs and outputs)."""
+        element = 2 if self.backend == "torch-cuda" and self.precision in ("fp16", "bf16") else 4
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * element
+
+    @cached_property
     def stop_ids(self) -> frozenset[int]:
         """The token ids that end a generation."""
         return frozenset(self.eos_token_ids or [self.eos_token_id])

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.engine_dir import EngineManifest
 from components.errors import KilnError, RegistryError, VersionRefused
 from components.runtime.tokenizer import EngineTokenizer
 from registry import VersionInfo, tags
@@ -24,6 +25,7 @@ from serving.chat import ChatTemplate, ChatTemplateError, chat_template_for
 from serving.engine_client import EngineClient
 from serving.engine_process import EngineProcess, RuntimeOptions
 from serving.loader import PulledVersion
+from serving.scheduler import Limits
 from serving.sources import EngineSource
 
 log = logging.getLogger("kiln.serving")
@@ -34,6 +36,15 @@ UNSIGNED = "unsigned"  # kiln_served_engine_info's signing_key for a version ser
 
 class NothingToServe(KilnError):
     """The alias names no version, or only one the loader refuses."""
+
+
+def kv_memory_text(manifest: EngineManifest, max_batch: int | None) -> str:
+    """What the KV cache of the running batch can take at most: a service's memory plan."""
+    limits = Limits.of(manifest, max_batch)
+    most = manifest.kv_bytes_per_token * limits.max_batch * limits.max_total
+    sequences = f"{limits.max_batch} sequence{'' if limits.max_batch == 1 else 's'}"
+    size = f"{most / (1 << 30):.2f} GiB" if most >= 1 << 30 else f"{most / (1 << 20):.1f} MiB"
+    return f"KV cache: {manifest.kv_bytes_per_token / 1024:.1f} KiB a token a sequence; {sequences} × {limits.max_total} tokens take {size} at most"
 
 
 @dataclass
@@ -134,6 +145,7 @@ class AliasFollower:
         self._on_event("swapped", new, new.load_seconds)
         was = f", swapped in for version {old.version}" if old is not None else ""
         log.info("serving %s version %s (%s %s), loaded in %.2f s%s", new.model, new.version, new.facts[tags.BACKEND], new.facts[tags.PRECISION], new.load_seconds, was)
+        log.info("%s", kv_memory_text(new.pulled.engine_dir.manifest, self.options.max_batch))
         if new.pulled.signed_by is None and self.source.alias is not None:  # from the registry (not a local directory), unsigned
             log.warning("version %s is UNSIGNED: served only because registry.require_signature is false (`kiln keys sign-existing` signs it)", new.version)
         if old is not None:

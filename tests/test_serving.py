@@ -1391,3 +1391,12 @@ def test_a_version_whose_backend_cannot_run_here_is_refused_naming_it(tmp_path, 
     with pytest.raises(RuntimeError, match="cannot be served: .*tensorrt"):
         LiveServer(app).__enter__()
     assert "refused" in str(app.state.startup_error)
+
+
+def test_the_server_says_what_the_running_batchs_kv_cache_can_take(engine_dir):
+    from serving.follow import kv_memory_text
+
+    # the test model: 2 layers × 2 KV heads × 16 dims × keys and values × fp32 = 512 bytes a token
+    assert engine_dir.manifest.kv_bytes_per_token == 512
+    assert kv_memory_text(engine_dir.manifest, None) == "KV cache: 0.5 KiB a token a sequence; 16 sequences × 128 tokens take 1.0 MiB at most"
+    assert kv_memory_text(engine_dir.manifest, 1).endswith("1 sequence × 128 tokens take 0.1 MiB at most")
