@@ -28,9 +28,22 @@ SMOLLM2_135M = {
     "family": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
     "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 2048, "tie_word_embeddings": True, "rope_theta": 100000.0,
 }  # fmt: skip
+# The sizes deployed on CPUs, as their config.json has them (random weights: speed does not depend on them).
+QWEN25_05B = {
+    "family": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+}  # fmt: skip
+LLAMA32_1B = {
+    "family": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True, "rope_theta": 500000.0,
+}  # fmt: skip
+LLAMA32_3B = LLAMA32_1B | {"num_hidden_layers": 28, "hidden_size": 3072, "num_attention_heads": 24, "head_dim": 128, "intermediate_size": 8192}
 # `kiln bench --shape tiny`: seconds instead of minutes, to check that the bench runs (not to measure).
 TINY = {"family": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
-SHAPES = {"gpt2-small": GPT2_SMALL, "smollm2-135m": SMOLLM2_135M, "tiny": TINY}
+SHAPES = {
+    "gpt2-small": GPT2_SMALL, "smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_05B, "llama3.2-1b": LLAMA32_1B, "llama3.2-3b": LLAMA32_3B,
+    "tiny": TINY,
+}  # fmt: skip
 # `--precisions` names beside the precisions: int8 in TensorRT's Q/DQ form, run by ONNX
 # Runtime, to time it against ONNX Runtime's own int8 (weight blocks) in one run.
 VARIANTS = {"int8-qdq": ("int8", "qdq")}
@@ -64,12 +77,17 @@ def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from components.config import ModelParams, TokenizerParams
+    from components.model_fit import check_parameters_fit
+    from components.resources import machine_memory
     from components.train import tokenizer_from_texts
 
     if (directory / "config.json").is_file():
         return directory
     torch.manual_seed(seed)
     family, config = shape["family"], {k: v for k, v in shape.items() if k != "family"}
+    with torch.device("meta"):  # counted before gigabytes are drawn: refused here, named, not killed midway
+        parameters = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).num_parameters()
+    check_parameters_fit(parameters, machine_memory(), f"the {shape_name(shape)} bench model")
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -80,6 +98,10 @@ def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return directory
+
+
+def shape_name(shape: dict) -> str:
+    return next((name for name, known in SHAPES.items() if known is shape), "custom")
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

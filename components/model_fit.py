@@ -84,17 +84,21 @@ BUILD_PEAK_PER_FP32_BYTE = 4.7
 BUILD_PEAK_OVERHEAD = 1 * GIB  # Python, torch, ONNX Runtime and Prefect before any weights
 
 
-def build_memory(model_dir: Path) -> int:
-    """Bytes the stages need at their peak to build `model_dir` on this CPU (measured ratio)."""
-    return int(parameter_count(model_dir) * 4 * BUILD_PEAK_PER_FP32_BYTE + BUILD_PEAK_OVERHEAD)
+def build_memory(parameters: int) -> int:
+    """Bytes the stages need at their peak to build a model of `parameters` on this CPU."""
+    return int(parameters * 4 * BUILD_PEAK_PER_FP32_BYTE + BUILD_PEAK_OVERHEAD)
 
 
 def check_build_memory(model_dir: Path, memory: int) -> None:
     """ConfigError, before any work, where the stages would need more memory than `memory`."""
-    needed = build_memory(model_dir)
+    check_parameters_fit(parameter_count(model_dir), memory, str(model_dir))
+
+
+def check_parameters_fit(parameters: int, memory: int, what: str) -> None:
+    needed = build_memory(parameters)
     if needed > memory:
         raise ConfigError(
-            f"{model_dir} is too big to build here: {parameter_count(model_dir) / 1e9:.2f}B parameters need about {needed / GIB:.1f} GiB "
+            f"{what} is too big to build here: {parameters / 1e9:.2f}B parameters need about {needed / GIB:.1f} GiB "
             f"at the stages' peak (they convert the model in fp32), and this machine has {memory / GIB:.1f} GiB; "
             f"build it on a machine with more memory"
         )

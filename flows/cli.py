@@ -341,7 +341,7 @@ app.add_typer(bench_app, name="bench")
 
 # benchmarks.generation.SHAPES' names (a test holds them equal): --help lists them without
 # importing the benchmarks, which only the bench verbs load.
-BenchShape = Literal["gpt2-small", "smollm2-135m", "tiny"]
+BenchShape = Literal["gpt2-small", "smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b", "llama3.2-3b", "tiny"]
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -351,7 +351,7 @@ def bench(
     runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
     precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time: fp32, fp16, int8, int4, or int8-qdq (TensorRT's int8 form, on ONNX Runtime)")] = "fp32,int8,int4",
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
-    shape: Annotated[BenchShape, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads) or tiny (a quick check that it runs)")] = "gpt2-small",
+    shape: Annotated[BenchShape, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads), qwen2.5-0.5b, llama3.2-1b, llama3.2-3b (their configs, random weights) or tiny (a quick check that it runs)")] = "gpt2-small",
     device: Annotated[Literal["cpu", "cuda"], typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF eager fp16 and HF static cache + torch.compile vs the torch-cuda engine, batch 1 and 16")] = "cpu",
     peer: Annotated[Literal["llama.cpp"] | None, typer.Option(help="also time llama-bench on the same model as GGUF (int8 beside Q8_0, int4 beside Q4_0), interleaved")] = None,
     llama_cpp: Annotated[Path | None, typer.Option(help="llama.cpp checkout or build folder for --peer (default: $KILN_LLAMA_CPP, else PATH)")] = None,
