@@ -1,9 +1,11 @@
-"""Params fitted to a model directory where params.yaml is silent: the context the model was
-made for, capped by what this machine's memory holds for the running batch's KV cache.
+"""Params fitted to a model directory where params.yaml is silent, before any work: the
+context the model was made for, capped by what this machine's memory holds for the running
+batch's KV cache; the name it registers under; and a refusal, naming both sizes, of a model
+whose build this machine's memory cannot hold.
 
 The defaults in params.yaml suit the small model kiln trains from scratch (256 positions);
 a pretrained Llama or Qwen is made for 8k-128k, and its engine should take what it can.
-Read from config.json and the weight files' sizes: no torch, seconds before any work.
+Read from config.json and the weight files' sizes: no torch, seconds.
 """
 
 from __future__ import annotations
