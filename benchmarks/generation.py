@@ -200,12 +200,10 @@ def benchmark_calibration(work: Path, vocab: int, setup: BenchSetup):
 def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shape: dict = GPT2_SMALL) -> tuple[Path, dict[str, Path]]:
     """The benchmark model and an ONNX Runtime engine per precision, built by the pipeline's
     own stages (cached in `work` across invocations)."""
-    from components.build import engine_from_onnx
-    from components.config import BuildParams, ExportParams, Int8Params, PrecisionParams
+    from components.config import ExportParams, Int8Params, PrecisionParams
     from components.data import DataVersion
     from components.export import onnx_from_model
     from components.model_dir import model_from_directory
-    from components.precision import precision_onnx
 
     model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed))
     # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
@@ -219,9 +217,27 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
         if precision not in ORT_PRECISIONS:
             raise KilnError(f"--precisions: {name!r} is not one of {', '.join([*ORT_PRECISIONS, *VARIANTS])}")
         variant = settings.model_copy(update={"int8": settings.int8.model_copy(update={"scheme": scheme})})
-        graph = precision_onnx(onnx, precision, calibration, variant, work / "precision")
-        engines[name] = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work).path
+        engines[name] = _in_own_process(_engine, onnx, precision, calibration, variant, model, data, work)
     return model.path, engines
+
+
+def _engine(onnx, precision: str, calibration, settings, model, data, work: Path) -> Path:
+    from components.build import engine_from_onnx
+    from components.config import BuildParams
+    from components.precision import precision_onnx
+
+    graph = precision_onnx(onnx, precision, calibration, settings, work / "precision")
+    return engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work).path
+
+
+def _in_own_process(fn: Callable, *args):
+    """`fn(*args)` in a fresh process: what one engine's build held goes back to the OS with
+    it (in one process, a 1B model's int4 build after its int8 one was killed for memory)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        return process.submit(fn, *args).result()
 
 
 def benchmark_rows(
