@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.config import Params, ShapeRange, model_name_for, shape_problems
+from components.config import Params, ShapeRange, model_name_for, scratch_model_problems, shape_problems
 from components.errors import ConfigError
 from components.families import shape_of
-from components.model_dir import check_fits_model_directory, check_model_directory, read_config, stored_dtype
+from components.model_dir import check_fits_model_directory, check_model_directory, pretrained_directory, read_config, stored_dtype
 from components.resources import GIB, machine_memory
 
 KV_BYTES = 4  # ONNX Runtime's engines keep the cache in fp32, whatever the weights' precision
@@ -67,13 +67,27 @@ class ContextFit:
         )
 
 
+def fit_for_run(params: Params, params_file: Path, root: Path, model_dir: Path | None = None) -> tuple[Params, list[str]]:
+    """The params a run builds with, before any work: fitted to the model directory it builds
+    (`model_dir`, else model.pretrained), or checked against the context of the model it
+    trains from scratch. The lines saying what was derived."""
+    if model_dir is None and params.model.pretrained:
+        model_dir = pretrained_directory(params.model.pretrained, root)
+    if model_dir is not None:
+        return fit_to_model(params, model_dir)
+    problems = scratch_model_problems(params)
+    if problems:
+        raise ConfigError(f"{params_file}: " + "; ".join(problems))
+    return params, []
+
+
 def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, list[str]]:
     """A model directory of a family kiln builds, and `params` fitted to it (its context, and
     its name where neither params.yaml nor model.pretrained gives one) and checked against
     it: in seconds, before any work. The lines saying what was derived."""
     check_model_directory(model_dir)
     check_build_memory(model_dir, machine_memory())
-    params, note = fitted_to_model(params, model_dir)
+    params, note = with_model_context(params, model_dir)
     params, named = named_after(params, model_dir)
     check_fits_model_directory(model_dir, params.build.profiles, params.sample)
     return params, [line for line in (note, named) if line]
@@ -116,7 +130,7 @@ def named_after(params: Params, model_dir: Path) -> tuple[Params, str | None]:
     return named, f"registered as {name}, the model directory's name: registry.model_name: {name} in params.yaml names it for kiln serve and kiln promote too"
 
 
-def fitted_to_model(params: Params, model_dir: Path) -> tuple[Params, str | None]:
+def with_model_context(params: Params, model_dir: Path) -> tuple[Params, str | None]:
     """`params` with the context derived from `model_dir` where params.yaml sets none, and the
     line that says so (None where params.yaml set it). ConfigError where what the gates and
     the sample ask no longer fits, or the weights leave no memory for any context."""

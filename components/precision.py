@@ -144,15 +144,27 @@ def _prepared(source: Path, prepared: Path):
     constants folded), loaded; its files removed. External data stays external: a graph past
     2 GB cannot be written otherwise, and ONNX Runtime would go on without the optimization."""
     import onnx as onnx_lib
+
+    _pre_process(source, prepared)
+    model = onnx_lib.load(str(prepared))
+    for file in onnx_files(prepared):
+        file.unlink()
+    return model
+
+
+def _pre_process(source: Path, prepared: Path) -> bool:
+    """ONNX Runtime's pre-processing for quantization, `source` → `prepared`: symbolic shape
+    inference, or ops whose shapes ORT cannot infer stay uncalibrated; constant folding (ORT's
+    basic level: standard ONNX ops only), so a weight reached through a Transpose (the tied
+    lm_head) becomes an initializer that is quantized once instead of on every step.
+    auto_merge: the mask's key axis (the input's total_sequence) is the cache's past +
+    sequence. Whether the weights are external, as in `source`."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     external = has_external_data(source)
     quant_pre_process(str(source), str(prepared), skip_optimization=False, auto_merge=True, save_as_external_data=external,
                       all_tensors_to_one_file=True, external_data_location=data_file(prepared).name)  # fmt: skip
-    model = onnx_lib.load(str(prepared))
-    for file in onnx_files(prepared):
-        file.unlink()
-    return model
+    return external
 
 
 @dataclass(frozen=True)
@@ -321,17 +333,9 @@ def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8P
     zero point 0), per-channel weights, sensitive nodes left in float."""
     import onnx as onnx_lib
     from onnxruntime.quantization import CalibrationMethod
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     prepared = output.with_name("prepared.onnx")
-    # Symbolic shape inference first, or ops whose shapes ORT cannot infer stay uncalibrated;
-    # and constant folding (ORT's basic level: standard ONNX ops only), so a weight reached
-    # through a Transpose (the tied lm_head) becomes an initializer that is quantized once,
-    # per channel, instead of being re-quantized as an activation on every step. auto_merge:
-    # the mask's key axis (the input's total_sequence) is the cache's past + sequence.
-    external = has_external_data(onnx.path)
-    quant_pre_process(str(onnx.path), str(prepared), skip_optimization=False, auto_merge=True, save_as_external_data=external,
-                      all_tensors_to_one_file=True, external_data_location=data_file(prepared).name)  # fmt: skip
+    external = _pre_process(onnx.path, prepared)
     model = onnx_lib.load(str(prepared), load_external_data=False)  # node names only
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
     feeds = CalibrationFeeds(onnx, calibration)

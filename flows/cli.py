@@ -169,15 +169,14 @@ def _pipeline(root: Path, params_file: Path, model_dir: Path | None, fresh: bool
     """The flow's result; a failed gate prints the table, then fails with the numbers."""
     from registry import preflight, registry_target
 
+    from components.model_fit import fit_for_run
+
     params = _load(params_file)
     if from_model:
         model_dir = _model_to_build(model_dir, params)
-    if model_dir or params.model.pretrained:  # checked before the data stage and training
-        from components.model_dir import pretrained_directory
-
-        params = _fitted_to_model(model_dir or pretrained_directory(params.model.pretrained), params)
-    else:
-        _check_scratch_model(params, params_file)
+    params, notes = fit_for_run(params, params_file, root, model_dir)  # before the data stage and training
+    for note in notes:
+        render.note(note)
     preflight(registry_target(params.registry, root), registering=True)  # before Prefect's server starts (seconds)
     if fresh:
         import shutil
@@ -206,27 +205,6 @@ def _model_to_build(model_dir: Path | None, params) -> Path:
     from components.model_dir import pretrained_directory
 
     return model_dir.resolve() if model_dir else pretrained_directory(params.model.pretrained)
-
-
-def _check_scratch_model(params, params_file: Path) -> None:
-    """The profiles against the context of the model a run will train, before it trains."""
-    from components.config import scratch_model_problems
-    from components.errors import ConfigError
-
-    problems = scratch_model_problems(params)
-    if problems:
-        raise ConfigError(f"{params_file}: " + "; ".join(problems))
-
-
-def _fitted_to_model(model_dir: Path, params):
-    """params.yaml fitted to the model (its context, where params.yaml sets none: the line
-    saying so printed) and checked against it, before any work."""
-    from components.model_fit import fit_to_model
-
-    params, notes = fit_to_model(params, model_dir)
-    for note in notes:
-        render.note(note)
-    return params
 
 
 @app.command(cls=KilnCommand)

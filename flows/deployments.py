@@ -31,8 +31,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from components.config import CONTROL_QUEUE, Params, load_params, scratch_model_problems
-from components.errors import ConfigError, GateFailed, KilnError
+from components.config import CONTROL_QUEUE, Params, load_params
+from components.errors import GateFailed, KilnError
 from flows.events import ALIAS_SET, DATA_CHANGED, data_resource, registry_resource
 from registry import RegistryTarget, VersionInfo
 
@@ -49,16 +49,11 @@ def _project(project: str, params_file: str) -> tuple[Path, Params]:
     prepare_environment(root)
     hide_kiln_tracebacks()  # in the flow run's process: its failures print as their one-line messages
     show_stage_notes()
-    params = load_params(root / params_file)
-    if params.model.pretrained:
-        from components.model_dir import pretrained_directory
-        from components.model_fit import fit_to_model
+    from components.model_fit import fit_for_run
 
-        params, notes = fit_to_model(params, pretrained_directory(params.model.pretrained, root))
-        for note in notes:
-            get_run_logger().info(note)
-    elif problems := scratch_model_problems(params):
-        raise ConfigError(f"{root / params_file}: " + "; ".join(problems))
+    params, notes = fit_for_run(load_params(root / params_file), root / params_file, root)
+    for note in notes:
+        get_run_logger().info(note)
     return root, params
 
 

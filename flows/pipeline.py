@@ -196,7 +196,7 @@ def _model_for(params: Params, data: DataVersion, workspace: Workspace, model_di
     if params.model.pretrained and params.data.source.kind == "cpython-docs":
         log.info("data: the gates score %s on CPython's docs (data.source); text like your users' measures what they will see", params.model.pretrained)
     if params.model.schedule is None:
-        return load_pretrained(pretrained_directory(params.model.pretrained))
+        return load_pretrained(pretrained_directory(params.model.pretrained, workspace.root))
     return train_model(data, params.model, workspace.stage_dir("models"))
 
 

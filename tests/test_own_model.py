@@ -12,7 +12,7 @@ import yaml
 from components.config import FineTuningParams, ModelParams, Params
 from components.errors import ConfigError, TrainError
 from components.files import directory_sha256
-from components.model_fit import GIB, fitted_to_model
+from components.model_fit import GIB, with_model_context
 
 from .conftest import make_project, new_project_store, tiny_params
 from .test_cli import kiln
@@ -114,7 +114,7 @@ def test_fine_tuning_starts_from_the_pretrained_weights_on_its_own_schedule(tmp_
 
 def test_the_context_is_the_models_own_where_memory_holds_it(tmp_path, monkeypatch):
     with_memory(monkeypatch, 512)
-    fitted, note = fitted_to_model(Params(), model_dir(tmp_path / "m", LLAMA_3B | {"max_position_embeddings": 8192}, 6 * GIB))
+    fitted, note = with_model_context(Params(), model_dir(tmp_path / "m", LLAMA_3B | {"max_position_embeddings": 8192}, 6 * GIB))
     assert fitted.build.profiles.context.max == 8192
     assert note == "build.profiles.context.max 8192 from the model's 8192 positions"
 
@@ -123,24 +123,24 @@ def test_the_context_is_capped_by_the_memory_the_slots_kv_needs_and_says_so(tmp_
     # 24 GiB, 11.9 GiB of fp32 weights (3.2B parameters): half the rest, 6.0 GiB, for 16
     # slots' KV of 28 layers x 8 heads x 128 x 2 x 4 B = 224 KiB a token: 1766 tokens, 1536 rounded.
     with_memory(monkeypatch, 24)
-    fitted, note = fitted_to_model(Params(), model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
+    fitted, note = with_model_context(Params(), model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
     assert fitted.build.profiles.context.max == 1536
     assert "capped by memory: 16 slots × 1536 tokens × 224 KiB of KV" in note and "131072 positions" in note
     fewer_slots = Params.model_validate({"build": {"profiles": {"batch": {"min": 1, "opt": 1, "max": 4}}}})
-    assert fitted_to_model(fewer_slots, tmp_path / "m")[0].build.profiles.context.max == 6912  # 7067 rounded: a quarter of the slots, four times the context
+    assert with_model_context(fewer_slots, tmp_path / "m")[0].build.profiles.context.max == 6912  # 7067 rounded: a quarter of the slots, four times the context
 
 
 def test_a_context_in_params_is_kept_as_set(tmp_path, monkeypatch):
     with_memory(monkeypatch, 24)
     params = Params.model_validate({"model": {"pretrained": "m"}, "build": {"profiles": {"context": {"min": 2, "opt": 64, "max": 4096}}}})
-    fitted, note = fitted_to_model(params, model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
+    fitted, note = with_model_context(params, model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
     assert fitted.build.profiles.context.max == 4096 and note is None
 
 
 def test_a_model_whose_weights_leave_no_memory_is_refused_naming_both_sizes(tmp_path, monkeypatch):
     with_memory(monkeypatch, 8)
     with pytest.raises(ConfigError, match=r"does not fit this machine: 11\.9 GiB of weights at fp32 .* in 8\.0 GiB"):
-        fitted_to_model(Params(), model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
+        with_model_context(Params(), model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2))
 
 
 def test_a_model_too_big_to_build_here_is_refused_before_any_work_naming_both_sizes(tmp_path, tiny_model):
@@ -157,7 +157,7 @@ def test_a_model_too_big_to_build_here_is_refused_before_any_work_naming_both_si
 def test_a_sliding_window_bounds_the_derived_context(tmp_path, monkeypatch):
     with_memory(monkeypatch, 512)
     mistral = LLAMA_3B | {"model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
-    assert fitted_to_model(Params(), model_dir(tmp_path / "m", mistral, GIB))[0].build.profiles.context.max == 4096
+    assert with_model_context(Params(), model_dir(tmp_path / "m", mistral, GIB))[0].build.profiles.context.max == 4096
 
 
 def test_kiln_build_of_a_directory_names_it_after_the_directory_where_params_name_nothing(tmp_path, tiny_model):
