@@ -1,5 +1,6 @@
-"""CPU parity of the torch-cuda backend's static-KV GPT-2 (components/runtime/static_kv.py,
-the prototype of benchmarks/gpu_static_kv/) against Hugging Face: fp32, no GPU needed."""
+"""CPU parity of the torch-cuda backend's static-KV models (components/runtime/static_kv.py)
+against Hugging Face: fp32, no GPU needed; on a GPU machine benchmarks/gpu_static_kv/run_device.sh
+test runs them beside the CUDA tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,3 @@
-"""The prototype behind kiln's torch-cuda backend (README.md here): its ablation bench, the
-HF static-cache peer, the kiln engine's gate and load phases, the serving-step and PDL
-measurements. Modules run on a GPU machine (`run_device.sh`); importing them needs torch
-only."""
+"""Measurements of kiln's torch-cuda backend on a GPU machine (README.md here): the trained
+model's gates and loads, the serving scheduler without HTTP, and A/Bs and a profile of the
+one-row Triton step. `run_device.sh` runs them; importing them needs torch only."""

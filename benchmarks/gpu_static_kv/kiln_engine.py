@@ -15,7 +15,7 @@ components.gates.quality_gate. Phases (each writes a JSON under --out):
 
 The speed table itself is `kiln bench --device cuda` (benchmarks/generation_cuda.py).
 
-Run: bash benchmarks/gpu_static_kv/run_device.sh kiln   (settings in run_device.sh)
+On a GPU machine: OUT=DIR bash benchmarks/gpu_static_kv/run_device.sh kiln (KILN_PHASES picks the phases)
 """
 
 from __future__ import annotations
@@ -30,9 +30,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_static_kv.bench_cuda import NEW_TOKENS, PROMPT_LEN, SLOTS, log
 from components.config import ProfileParams, QualityGateParams, ShapeRange
 from components.engine_dir import Lineage, load_engine_dir
+
+PROMPT_LEN, NEW_TOKENS, SLOTS = 32, 128, 16  # kiln bench --device cuda's work and batch
+T0 = time.perf_counter()
+
+
+def log(*args) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
 
 
 def profile(context: int) -> ProfileParams:

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch and GEMV tilings of the batch-1 Triton decode step (issue 10).
+"""Programmatic dependent launch and GEMV tilings of the batch-1 Triton decode step.
 
 One process, the GPT-2-small-shaped fp16 engine of `kiln bench --device cuda` loaded once
 per variant (PDL off or on, tiles), 32 + 128 tokens at batch 1, timed interleaved; every
@@ -22,10 +22,9 @@ from benchmarks.generation_cuda import torch_cuda_engine
 from components.runtime import load_engine
 from components.runtime.sampling import Sampling
 
-# name -> (PDL, tiles set on the step). The last sweep of the session (results/run6); the
-# earlier ones compared PDL on/off with the old tiles (38.3 -> 32.7 ms), whole-row weight
-# tiles (-> 28.6), the keys and values loaded before the wait (-> 25.8), 2 GEMV warps,
-# 4 attention warps and 1-warp QKV/FC tiles (-> 24.5); README.md lists them.
+# name -> (PDL, tiles set on the step): the tiles before PDL and the defaults, each with PDL
+# off and on. The sweep that led from one to the other (docs/performance.md, "On the GPU"
+# under "Measured choices in the code") set one attribute at a time.
 OLD_TILES = {"QKV": (8, 256, 4), "OPROJ": (2, 256, 4), "FC": (8, 256, 4), "MPROJ": (2, 1024, 4), "HEAD": (16, 256, 4), "ATTN_WARPS": 8, "ATTN_EARLY_KV": False}
 VARIANTS = {
     "old-tiles-pdl-off": (False, OLD_TILES),

@@ -4,10 +4,9 @@ as its last one finishes, optionally after a simulated round trip), beside the e
 `generate` of the same work at the same batch, interleaved. The host time inside each engine
 call (prefill, decode turns, picking the first token, slot moves) and their counts, so what is
 not decoding shows up. Then the cost of one admission's prefill graph, through the exported
-program's own kernels and through the runner's Inductor-compiled prefill core (as served
-since run 14; run 14's own figures compiled a static-shape copy).
+program's own kernels and through the runner's Inductor-compiled prefill core (as served).
 
-On the device: python3 -m benchmarks.gpu_static_kv.serve_loop --out "$OUT" (builds the fp16
+On a GPU machine: OUT=DIR bash benchmarks/gpu_static_kv/run_device.sh loop (builds the fp16
 engines of `kiln bench --device cuda` in /tmp/kiln-bench when absent).
 """
 

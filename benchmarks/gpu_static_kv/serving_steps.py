@@ -6,7 +6,7 @@ scheduler's greedy tokens equal `generate`'s and each prompt's alone; seeded sam
 answers equal themselves alone. A turn's profile: the host time in the engine's calls
 (device work and the one read-back) vs the scheduler's own Python.
 
-On the device: bash benchmarks/gpu_static_kv/run_device.sh steps (builds the GPT-2-small
+On a GPU machine: OUT=DIR bash benchmarks/gpu_static_kv/run_device.sh steps (builds the GPT-2-small
 fp16 engine in /tmp/kiln-bench when absent).
 """
 

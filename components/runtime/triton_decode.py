@@ -17,7 +17,7 @@ start while the one before finishes, loads what no recent kernel writes (its wei
 earlier steps' cache rows), then waits for the previous kernel's output. At batch 1 a
 step is latency, not bandwidth: 63 kernels of a few microseconds, so overlapping each
 kernel's start and weight loads with the previous one's tail took a 32+128-token
-generation from 36.5 to 23.8 ms on the H200 (benchmarks/gpu_static_kv/REPORT.md §7).
+generation from 36.5 to 23.8 ms on the H200 (docs/performance.md#on-the-gpu).
 
 Semantics equal `DecodeStep(StaticKVGPT2)`: same cache layout and scratch column, same
 active-row rule, same attended length (key_range), greedy argmax with the lowest index
@@ -243,9 +243,9 @@ class TritonDecodeStep:
 
     # (BLOCK_N, BLOCK_K, warps) per GEMV; BLOCK_K None: the whole row (up to MAX_BLOCK_K),
     # so under PDL a CTA's whole weight slice loads before it waits for the previous kernel.
-    # Measured on the H200 (benchmarks/gpu_static_kv/pdl_ab.py, results/run6): 32+128
-    # tokens at batch 1 take 24.1 ms with these and PDL, 36.5 ms with the tiles of runs
-    # 1-5 ((8,256) (2,256) (8,256) (2,1024) (16,256), 4 warps) and no PDL; narrow tiles
+    # Measured on the H200 (docs/performance.md#on-the-gpu; run_device.sh pdl): 32+128
+    # tokens at batch 1 take 24.1 ms with these and PDL, 36.5 ms with the earlier tiles
+    # ((8,256) (2,256) (8,256) (2,1024) (16,256), 4 warps) and no PDL; narrow tiles
     # with few warps (many small CTAs in flight) won every comparison.
     QKV, OPROJ, FC, MPROJ, HEAD = (4, None, 1), (2, None, 2), (4, None, 1), (2, None, 2), (16, None, 2)
     GEMV_WARPS = 2  # for a tile given as (BLOCK_N, BLOCK_K)
@@ -446,7 +446,7 @@ def _rms_gemv_kernel(
 
 # The fused Llama step: three kernels per layer instead of five, since at batch 1 a step is
 # a chain of launches, each costing microseconds whatever it computes (the measurements:
-# benchmarks/gpu_static_kv/results/run9 and run10). The attention of a query head is followed by its
+# docs/performance.md#on-the-gpu). The attention of a query head is followed by its
 # slice of the O-projection, and the gate/up rows of an intermediate block by their slice
 # of the down projection; each CTA adds its share of the output (and one CTA the residual)
 # into a zeroed fp32 buffer with atomics. The residual stream thus rotates over three
@@ -673,13 +673,13 @@ class TritonLlamaDecodeStep:
     FUSED = True
     # The fused step's tiles: output rows per attention + O-proj CTA and its warps; the
     # intermediate units per MLP CTA (as elements of a tile of K_POW2 columns) and its warps.
-    # The fastest measured on the H200 (benchmarks/gpu_static_kv/results/run10): fewer MLP
+    # The fastest measured on the H200 (docs/performance.md#on-the-gpu): fewer MLP
     # CTAs mean fewer atomic adds into the residual.
     ATTN_O_BLOCK_N, ATTN_O_WARPS = 64, 4
     MLP_TILE, MLP_WARPS = 16384, 8
     # Attention + O-proj: cache positions per pass, and keys/values kept in the cache dtype
     # until used; MLP: the hidden size as two power-of-two tiles instead of one padded tile
-    # (both the faster on the H200: benchmarks/gpu_static_kv/results/run11).
+    # (both the faster on the H200: docs/performance.md#on-the-gpu).
     ATTN_O_BLOCK_T, ATTN_O_LATE_CAST = 256, True
     MLP_SPLIT_K = True
 
