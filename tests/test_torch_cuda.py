@@ -1,6 +1,6 @@
 """The torch-cuda backend: a static-KV program exported from the trained model, built and
 run here on the CPU (target `cpu`) through the same `Engine` interface the gates use; what
-needs CUDA is marked and runs on a GPU machine (benchmarks/gpu_static_kv/run_device.sh)."""
+needs CUDA is marked and runs on a GPU machine (benchmarks/gpu_static_kv/run_device.sh test)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 BACKEND = "torch-cuda"
 ENGINE_FILE = "model.pt2"
 PROGRAM_INPUTS = ["input_ids", "positions", "attn_bias", "picked", "k_cache", "v_cache"]
-# bf16 measured no faster than fp16 and less exact (benchmarks/gpu_static_kv/REPORT.md), but
+# bf16 measured no faster than fp16 and less exact (docs/performance.md#on-the-gpu), but
 # it is the dtype Llama 3 and Qwen2.5 are published in: their own rounding, and fp16's range.
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Largest logit difference from the PyTorch model that a build accepts: fp32 differs by
