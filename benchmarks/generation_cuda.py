@@ -8,8 +8,8 @@ Rows:
 * `hf-static-compile-fp16`: HF's StaticCache with the forward compiled by torch.compile
   (`reduce-overhead`: CUDA graphs) from a Python loop. `generate(cache_implementation=
   "static")` plus a compiled forward — the documented recipe — fails in transformers 5.17
-  (generate compiles the forward itself, and the two collide; benchmarks/gpu_static_kv/
-  REPORT.md §5), so this is the working form of that recipe.
+  (generate compiles the forward itself, and the two collide; docs/performance.md, "The
+  Hugging Face peer on the GPU"), so this is the working form of that recipe.
   If it fails on this model, its row says so, with the error, and has no numbers.
 * `kiln-torch-cuda-fp16`: the engine `kiln build` makes with build.backend torch-cuda.
 * at batch 1, the fp16 weight-read floor: the engine's weights read once per token at the
