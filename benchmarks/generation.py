@@ -38,12 +38,25 @@ LLAMA32_1B = {
     "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": True, "rope_theta": 500000.0,
 }  # fmt: skip
 LLAMA32_3B = LLAMA32_1B | {"num_hidden_layers": 28, "hidden_size": 3072, "num_attention_heads": 24, "head_dim": 128, "intermediate_size": 8192}
+# The sizes served on one GPU.
+LLAMA31_8B = {
+    "family": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}  # fmt: skip
+QWEN25_7B = {
+    "family": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "intermediate_size": 18944, "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+}  # fmt: skip
 # `kiln bench --shape tiny`: seconds instead of minutes, to check that the bench runs (not to measure).
 TINY = {"family": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 300, "n_positions": 256}
 SHAPES = {
     "gpt2-small": GPT2_SMALL, "smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_05B, "llama3.2-1b": LLAMA32_1B, "llama3.2-3b": LLAMA32_3B,
-    "tiny": TINY,
+    "llama3.1-8b": LLAMA31_8B, "qwen2.5-7b": QWEN25_7B, "tiny": TINY,
 }  # fmt: skip
+# The dtype each shape's checkpoints are published in: the GPU bench builds its model so
+# (the CPU bench builds fp32, which the ONNX export reads anyway).
+PUBLISHED_DTYPE = {name: "bfloat16" for name in ("qwen2.5-0.5b", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "qwen2.5-7b")}
 # `--precisions` names beside the precisions: int8 in TensorRT's Q/DQ form, run by ONNX
 # Runtime, to time it against ONNX Runtime's own int8 (weight blocks) in one run.
 VARIANTS = {"int8-qdq": ("int8", "qdq")}
@@ -76,10 +89,8 @@ def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from components.config import ModelParams, TokenizerParams
     from components.model_fit import check_parameters_fit
     from components.resources import machine_memory
-    from components.train import tokenizer_from_texts
 
     if (directory / "config.json").is_file():
         return directory
@@ -89,6 +100,17 @@ def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0
         parameters = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).num_parameters()
     check_parameters_fit(parameters, machine_memory(), f"the {shape_name(shape)} bench model")
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).eval()
+    return saved_with_tokenizer(model, directory)
+
+
+def saved_with_tokenizer(model, directory: Path) -> Path:
+    """`model` (biases drawn non-zero, as a trained model has them) saved to `directory` with a
+    small BPE tokenizer, so that it is a complete model directory."""
+    import torch
+
+    from components.config import ModelParams, TokenizerParams
+    from components.train import tokenizer_from_texts
+
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith(".bias"):

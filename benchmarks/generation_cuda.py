@@ -1,19 +1,22 @@
-"""`kiln bench --device cuda`: the GPU peers a user would pick against kiln's torch-cuda
-engine, on a benchmark model of the chosen shape (GPT-2 small; `--shape smollm2-135m`, a
-Llama-family model of SmolLM2-135M's shape), 32 + 128 tokens, at batch 1 and 16,
-interleaved in one process (each row's median, and its ratio to HF eager, from the same run).
+"""`kiln bench --device cuda`: kiln's torch-cuda engines beside the GPU peer a user would
+assemble, on a benchmark model of the chosen shape with random weights drawn on the GPU in
+the dtype the shape is published in (bf16 for Llama 3 and Qwen2.5; GPT-2-small and
+SmolLM2-135M in fp16), 32 + 128 tokens, at batch 1, 16 and 64, interleaved in one process
+(each row's median, and its ratio to the peer, from the same run).
 
 Rows:
-* `hf-eager-fp16`: Hugging Face `generate`, eager, fp16 — what most people run first.
-* `hf-static-compile-fp16`: HF's StaticCache with the forward compiled by torch.compile
+* `hf-static-compile-<dtype>`: HF's StaticCache with the forward compiled by torch.compile
   (`reduce-overhead`: CUDA graphs) from a Python loop. `generate(cache_implementation=
   "static")` plus a compiled forward — the documented recipe — fails in transformers 5.17
-  (generate compiles the forward itself, and the two collide; docs/performance.md, "The
-  Hugging Face peer on the GPU"), so this is the working form of that recipe.
-  If it fails on this model, its row says so, with the error, and has no numbers.
-* `kiln-torch-cuda-fp16`: the engine `kiln build` makes with build.backend torch-cuda.
-* at batch 1, the fp16 weight-read floor: the engine's weights read once per token at the
-  GPU's memory bandwidth (a row computed, not timed; its name gives kiln's ratio to it).
+  (generate compiles the forward itself, and the two collide), so this is the working form
+  of that recipe. If it fails on this model, its row says so, with the error, and HF eager
+  `generate` is the baseline instead.
+* `hf-eager-<dtype>`: Hugging Face `generate`, eager — what most people run first (batch 1).
+* `kiln-torch-cuda-<precision>`: the engine `kiln build` makes with build.backend torch-cuda,
+  one per --precisions.
+* each precision's weight-read floor: the bytes a step must read (the engine's weights, and
+  each row's KV cache at the mean attended length) at the card's bandwidth, measured by a
+  copy on the card in the same run — a row computed, not timed; its name gives kiln's ratio.
 """
 
 from __future__ import annotations
@@ -21,15 +24,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.generation import SHAPES, BenchRow, BenchSetup, benchmark_model_dir, random_prompts, rows_from_samples, time_interleaved
+from benchmarks.generation import PUBLISHED_DTYPE, SHAPES, BenchRow, BenchSetup, random_prompts, rows_from_samples, saved_with_tokenizer, time_interleaved
 
-BATCHES = (1, 16)
-# Memory bandwidth by GPU name (bytes/s, the vendor's figure), for the weight-read floor.
-BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+BATCHES = (1, 16, 64)
 MAX_CONTEXT = 1024  # the engines' cache: enough for 32 + 128, and GPT-2's whole context
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -38,43 +41,118 @@ class CudaRows:
     rows: list[BenchRow]
 
 
-def cuda_rows(work: Path, setup: BenchSetup, shape: str = "gpt2-small", batches: tuple[int, ...] = BATCHES) -> list[CudaRows]:
-    """Build (or reuse) the fp16 torch-cuda engine of the benchmark model; time the peers and
-    it, batch by batch."""
+def shape_dtype(shape: str) -> str:
+    """The dtype the GPU bench builds `shape` in: as published, else fp16."""
+    return PUBLISHED_DTYPE.get(shape, "float16")
+
+
+def cuda_rows(
+    work: Path, setup: BenchSetup, shape: str = "gpt2-small", batches: tuple[int, ...] = BATCHES, precisions: tuple[str, ...] | None = None
+) -> list[CudaRows]:
+    """Build (or reuse) the benchmark model and its torch-cuda engines; time the peers and
+    them, batch by batch, with each precision's weight-read floor beside them."""
     import torch
 
     from components.errors import BackendUnavailable
-
-    if not torch.cuda.is_available():
-        raise BackendUnavailable(f"kiln bench --device cuda needs a CUDA GPU; torch {torch.__version__} sees none")
-    model_dir = benchmark_model_dir(work / shape / "model", SHAPES[shape], setup.seed)
-    engine_path = torch_cuda_engine(model_dir, work / shape / "engines", max(batches), setup)
-    prompts = random_prompts(max(batches), setup.prompt_tokens, SHAPES[shape]["vocab_size"], setup.seed)
-    hf = _hf_fp16(model_dir)
-    peer = StaticCacheLoop(_hf_fp16(model_dir))
     from components.runtime import load_engine
     from components.runtime.sampling import Sampling
 
-    with load_engine(engine_path) as engine:
-        sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
-        results = []
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"kiln bench --device cuda needs a CUDA GPU; torch {torch.__version__} sees none")
+    dtype = shape_dtype(shape)
+    precisions = precisions or (DTYPE_NAMES[dtype],)
+    model_dir = gpu_model_dir(work / shape / f"model-{dtype}", SHAPES[shape], dtype, setup.seed)
+    paths = {p: torch_cuda_engine(model_dir, work / shape / "engines", max(batches), setup, p) for p in precisions}
+    bandwidth = copy_bandwidth()
+    prompts = random_prompts(max(batches), setup.prompt_tokens, SHAPES[shape]["vocab_size"], setup.seed)
+    hf = _hf_on_gpu(model_dir, dtype)
+    peer = StaticCacheLoop(hf)
+    tag = DTYPE_NAMES[dtype]
+    sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
+    results = []
+    with ExitStack() as stack:
+        engines = {p: stack.enter_context(load_engine(path)) for p, path in paths.items()}
         for batch in batches:
             ids = torch.tensor(prompts[:batch], device="cuda")
-            candidates: dict[str, Callable[[], None]] = {
-                "hf-eager-fp16": _synced(lambda ids=ids: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=setup.new_tokens,
-                                                                       min_new_tokens=setup.new_tokens, do_sample=False)),
-                "hf-static-compile-fp16": _synced(lambda ids=ids: peer.generate(ids, setup.new_tokens)),
-                "kiln-torch-cuda-fp16": lambda batch=batch: engine.generate(prompts[:batch], sampling),
-            }  # fmt: skip
-            failed = _failing(candidates, "hf-static-compile-fp16")
+            eager = _synced(lambda ids=ids: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=setup.new_tokens,
+                                                        min_new_tokens=setup.new_tokens, do_sample=False))  # fmt: skip
+            candidates: dict[str, Callable[[], None]] = {f"hf-static-compile-{tag}": _synced(lambda ids=ids: peer.generate(ids, setup.new_tokens))}
+            failed = _failing(candidates, f"hf-static-compile-{tag}")
+            if batch == 1 or failed is not None:
+                candidates[f"hf-eager-{tag}"] = eager
+            candidates |= {f"kiln-torch-cuda-{p}": (lambda engine=engine, batch=batch: engine.generate(prompts[:batch], sampling)) for p, engine in engines.items()}
             samples = time_interleaved(candidates, replace(setup, warmup=max(setup.warmup, 2)))  # two: compile, then capture
-            rows = rows_from_samples(samples, setup.new_tokens, baseline="hf-eager-fp16")
+            baseline = f"hf-eager-{tag}" if failed else f"hf-static-compile-{tag}"
+            rows = rows_from_samples(samples, setup.new_tokens, baseline)
+            rows += [floor_row(rows, baseline, p, engine, batch, bandwidth, setup) for p, engine in engines.items()]
             if failed is not None:
-                rows.insert(1, failed)
-            if batch == 1:
-                rows += _floor_rows(rows, engine.manifest.parameter_count, torch.cuda.get_device_name(), setup)
+                rows.insert(0, failed)
             results.append(CudaRows(batch, rows))
     return results
+
+
+def gpu_model_dir(directory: Path, shape: dict, dtype: str, seed: int) -> Path:
+    """A model directory of `shape` whose random weights were drawn on the GPU in `dtype`
+    (an 8B model never passes through fp32 or the host's memory as a whole)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from components.errors import BuildError
+
+    if (directory / "config.json").is_file():
+        return directory
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(shape["family"], **{k: v for k, v in shape.items() if k != "family"})
+    with torch.device("meta"):
+        parameters = AutoModelForCausalLM.from_config(config).num_parameters()
+    need, free = parameters * torch.finfo(getattr(torch, dtype)).bits // 8, torch.cuda.mem_get_info()[0]
+    if need > free:
+        raise BuildError(f"the bench model needs {need / 2**30:.1f} GiB of GPU memory in {dtype}; {free / 2**30:.1f} GiB are free")
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+    saved_with_tokenizer(model, directory)
+    del model
+    torch.cuda.empty_cache()
+    return directory
+
+
+def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
+    """This card's memory bandwidth in bytes/s, as a device-to-device copy reaches it (each
+    byte read once and written once): what a step that streams its weights can hope for."""
+    import torch
+
+    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * source.numel() * repeats / (start.elapsed_time(end) / 1000.0)
+
+
+def weight_read_bytes(program) -> int:
+    """Bytes of weights a step reads: every parameter but the tables only looked up (GPT-2's
+    positions; the token embeddings where a separate lm_head is the output layer)."""
+    params = dict(program.named_parameters())
+    lookups = {"wpe"} | ({"embed"} if params.get("lm_head") is not None else set())
+    return sum(p.numel() * p.element_size() for name, p in params.items() if name not in lookups)
+
+
+def floor_row(rows: list[BenchRow], baseline: str, precision: str, engine, batch: int, bandwidth: float, setup: BenchSetup) -> BenchRow:
+    """The generation's floor for `precision` at `batch`: each step reads the weights once and
+    every row's cache up to its length, at `bandwidth`; named with kiln's ratio to it."""
+    manifest, weights = engine.manifest, weight_read_bytes(engine.runner.model)
+    kv_token = manifest.kv_bytes_per_token or 0
+    mean_attended = setup.prompt_tokens + setup.new_tokens / 2
+    step_bytes = weights + batch * kv_token * mean_attended
+    floor_ms = setup.new_tokens * step_bytes / bandwidth * 1000.0
+    kiln = next(row for row in rows if row.name == f"kiln-torch-cuda-{precision}")
+    name = f"{precision} read floor ({step_bytes / 1e9:.2f} GB a step at {bandwidth / 1e12:.2f} TB/s): kiln {kiln.median_ms / floor_ms:.2f}x it"
+    peer = next(row for row in rows if row.name == baseline)
+    return BenchRow(name, floor_ms, floor_ms / setup.new_tokens, peer.median_ms / floor_ms, ())
 
 
 def _failing(candidates: dict[str, Callable[[], None]], name: str) -> BenchRow | None:
@@ -88,20 +166,7 @@ def _failing(candidates: dict[str, Callable[[], None]], name: str) -> BenchRow |
     return None
 
 
-def _floor_rows(rows: list[BenchRow], parameters: int | None, gpu: str, setup: BenchSetup) -> list[BenchRow]:
-    """The fp16 weight-read floor of a generation (every token reads every weight once), named
-    with kiln's ratio to it; none where the GPU's bandwidth is not known."""
-    bandwidth = next((value for name, value in BANDWIDTH.items() if name in gpu), None)
-    if bandwidth is None or parameters is None:
-        return []
-    floor_ms = setup.new_tokens * 2 * parameters / bandwidth * 1000.0
-    kiln = next(row for row in rows if row.name.startswith("kiln-"))
-    hf = next(row for row in rows if row.name == "hf-eager-fp16")
-    name = f"fp16 weight-read floor ({2 * parameters / 1e6:.0f} MB / {bandwidth / 1e12:.2g} TB/s): kiln {kiln.median_ms / floor_ms:.2f}x it"
-    return [BenchRow(name, floor_ms, floor_ms / setup.new_tokens, hf.median_ms / floor_ms, ())]
-
-
-def torch_cuda_engine(model_dir: Path, out_root: Path, slots: int, setup: BenchSetup) -> Path:
+def torch_cuda_engine(model_dir: Path, out_root: Path, slots: int, setup: BenchSetup, precision: str = "fp16") -> Path:
     from components.build.torch_cuda import torch_engine_from_model
     from components.config import ProfileParams, ShapeRange
     from components.engine_dir import Lineage
@@ -113,15 +178,15 @@ def torch_cuda_engine(model_dir: Path, out_root: Path, slots: int, setup: BenchS
     profiles = ProfileParams(batch=ShapeRange(min=1, opt=1, max=slots), prompt=ShapeRange(min=1, opt=setup.prompt_tokens, max=128),
                              context=ShapeRange(min=2, opt=setup.prompt_tokens + setup.new_tokens, max=context))  # fmt: skip
     lineage = Lineage(source_model_path=str(model.path), source_model_sha256=model.sha256, onnx_sha256="-", data_md5="benchmark")
-    return torch_engine_from_model(model.path, "fp16", lineage, profiles, out_root).path
+    return torch_engine_from_model(model.path, precision, lineage, profiles, out_root).path
 
 
-def _hf_fp16(model_dir: Path):
+def _hf_on_gpu(model_dir: Path, dtype: str):
+    """The model as Hugging Face runs it on the GPU, in the dtype it was built in."""
     import torch
+    from transformers import AutoModelForCausalLM
 
-    from components.model_dir import load_model
-
-    model = load_model(model_dir).to("cuda", torch.float16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to("cuda").eval()
     model.generation_config.eos_token_id = None  # exactly new_tokens, as the engine is asked
     model.generation_config.pad_token_id = 0
     return model

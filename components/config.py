@@ -266,15 +266,15 @@ class ProfileParams(_Section):
     """Total context (past + new tokens) during generation; unset: the model's own (`n_positions` from scratch; a pretrained model's, capped by what this machine's memory holds for `batch.max` sequences)."""
 
 
-Precision = Literal["fp32", "fp16", "bf16", "int8", "int4"]
-TORCH_CUDA_PRECISIONS = ("fp32", "fp16", "bf16")  # what the torch-cuda backend builds (no int8 program)
+Precision = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
+TORCH_CUDA_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # what the torch-cuda backend builds (no int8 program)
 ORT_ONLY_PRECISIONS = ("int4",)  # graphs of ONNX Runtime's own operators (MatMulNBits)
 # Made by the torch-cuda build from the model, with no precision ONNX of their own.
-TORCH_CUDA_ONLY_PRECISIONS = ("bf16",)
+TORCH_CUDA_ONLY_PRECISIONS = ("bf16", "fp8")
 # Why the other backends cannot build them (measured: ONNX Runtime 1.32 finds no CPU MatMul for bf16).
 NOT_TORCH_CUDA = {
-    "onnxruntime": "ONNX Runtime's CPU provider has no bf16 MatMul kernel",
-    "tensorrt": "kiln's TensorRT engines are built from the precision ONNX, and the precision stage makes no bf16 graph",
+    "onnxruntime": "ONNX Runtime's CPU provider has no bf16 or FP8 MatMul kernel",
+    "tensorrt": "kiln's TensorRT engines are built from the precision ONNX, and the precision stage makes no bf16 or FP8 graph",
 }
 
 
@@ -370,7 +370,7 @@ class Fp16Params(_Section):
 
 class PrecisionParams(_Section):
     build: list[Precision] = Field(default_factory=lambda: ["fp32", "int8"], min_length=1)
-    """The precisions each run builds, gates and registers (bf16: torch-cuda only)."""
+    """The precisions each run builds, gates and registers (bf16 and fp8: torch-cuda only; fp8 on GPUs with FP8 tensor cores)."""
     int8: Int8Params = Int8Params()
     """int8: 8-bit weight blocks (ONNX Runtime) or static Q/DQ quantization (TensorRT)."""
     int4: Int4Params = Int4Params()
@@ -414,6 +414,8 @@ class BuildParams(_Section):
     """`auto`: TensorRT where it runs, else torch-cuda where torch sees a GPU, else ONNX Runtime; or one of them by name."""
     profiles: ProfileParams = ProfileParams()
     """The shapes every engine accepts."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """torch-cuda: the share of the GPU's memory an engine may hold (weights, KV cache, activations); its cache holds as many of build.profiles.batch.max sequences as fit."""
     tensorrt: TensorRTParams = TensorRTParams()
     """TensorRT's builder settings."""
 
@@ -449,6 +451,8 @@ class QualityGateParams(_Section):
         # bf16 keeps 8 significant bits to fp16's 11: 8x the rounding, so more near-ties flip
         # (top-1 as int8's); unbiased rounding moves perplexity little (fp16's limit).
         "bf16": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=1.5),
+        # FP8 weights and activations, each with its own scales: held to int8's limits.
+        "fp8": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0),
         "int8": QualityLimits(min_top1_agreement=0.97, max_ppl_increase_pct=2.0),
         "int4": QualityLimits(min_top1_agreement=0.93, max_ppl_increase_pct=3.0),
     }
@@ -482,6 +486,7 @@ class TextGateParams(_Section):
         "fp32": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "fp16": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "bf16": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
+        "fp8": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "int8": TextLimits(max_rouge_l_drop_pct=2.0, max_bleu_drop_pct=2.0),
         "int4": TextLimits(max_rouge_l_drop_pct=5.0, max_bleu_drop_pct=5.0),
     }

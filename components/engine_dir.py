@@ -108,8 +108,9 @@ class EngineManifest(_Frozen):
     @cached_property
     def kv_bytes_per_token(self) -> int:
         """One sequence's KV cache per token: keys and values of every layer. fp32 but in the
-        torch-cuda program of a 16-bit precision (ONNX graphs keep fp32 inputs and outputs)."""
-        element = 2 if self.backend == "torch-cuda" and self.precision in ("fp16", "bf16") else 4
+        torch-cuda program of a 16-bit precision or fp8, whose cache is bf16 (ONNX graphs keep
+        fp32 inputs and outputs)."""
+        element = 2 if self.backend == "torch-cuda" and self.precision in ("fp16", "bf16", "fp8") else 4
         return 2 * self.num_layers * self.kv_heads * self.head_dim * element
 
     @cached_property

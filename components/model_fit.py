@@ -20,7 +20,7 @@ from components.model_dir import check_fits_model_directory, check_model_directo
 from components.resources import GIB, machine_memory
 
 KV_BYTES = 4  # ONNX Runtime's engines keep the cache in fp32, whatever the weights' precision
-BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ROUND_TO = 256  # a derived context is a multiple of this many tokens (below it: as computed)
 

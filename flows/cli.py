@@ -319,7 +319,7 @@ app.add_typer(bench_app, name="bench")
 
 # benchmarks.generation.SHAPES' names (a test holds them equal): --help lists them without
 # importing the benchmarks, which only the bench verbs load.
-BenchShape = Literal["gpt2-small", "smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b", "llama3.2-3b", "tiny"]
+BenchShape = Literal["gpt2-small", "smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "qwen2.5-7b", "tiny"]
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -327,10 +327,10 @@ def bench(
     ctx: typer.Context,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
     runs: Annotated[int, typer.Option(help="timed generations per row")] = 5,
-    precisions: Annotated[str, typer.Option(help="comma-separated kiln engines to time: fp32, fp16, int8, int4, or int8-qdq (TensorRT's int8 form, on ONNX Runtime)")] = "fp32,int8,int4",
+    precisions: Annotated[str | None, typer.Option(help="comma-separated kiln engines to time: on the CPU fp32, fp16, int8, int4 or int8-qdq (TensorRT's int8 form, on ONNX Runtime), default fp32,int8,int4; on CUDA the torch-cuda precisions, default the shape's own dtype")] = None,
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
-    shape: Annotated[BenchShape, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads), qwen2.5-0.5b, llama3.2-1b, llama3.2-3b (their configs, random weights) or tiny (a quick check that it runs)")] = "gpt2-small",
-    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF eager fp16 and HF static cache + torch.compile vs the torch-cuda engine, batch 1 and 16")] = "cpu",
+    shape: Annotated[BenchShape, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads), qwen2.5-0.5b, llama3.2-1b, llama3.2-3b, llama3.1-8b, qwen2.5-7b (their configs, random weights) or tiny (a quick check that it runs)")] = "gpt2-small",
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF static cache + torch.compile (and eager at batch 1) vs torch-cuda engines, batch 1, 16 and 64, with each precision's weight-read floor")] = "cpu",
     peer: Annotated[Literal["llama.cpp"] | None, typer.Option(help="also time llama-bench on the same model as GGUF (int8 beside Q8_0, int4 beside Q4_0), interleaved")] = None,
     llama_cpp: Annotated[Path | None, typer.Option(help="llama.cpp checkout or build folder for --peer (default: $KILN_LLAMA_CPP, else PATH)")] = None,
 ) -> None:
@@ -341,11 +341,13 @@ def bench(
     _prepare_environment(Path.cwd())
     from benchmarks import generation as bm  # only bench verbs load benchmarks, and only when run
 
-    engines = _bench_precisions(precisions)
     setup = bm.BenchSetup(runs=runs)
-    peer_bench = _bench_peer(peer, llama_cpp, device, engines, setup, work / shape / "gguf")
     if device == "cuda":
-        return _bench_cuda(work, setup, shape, json_path)
+        if peer is not None:
+            _fail(KilnError("--peer llama.cpp times the CPU: leave out --device cuda"))
+        return _bench_cuda(work, setup, shape, _cuda_precisions(precisions), json_path)
+    engines = _bench_precisions(precisions or "fp32,int8,int4")
+    peer_bench = _bench_peer(peer, llama_cpp, engines, setup, work / shape / "gguf")
     with _one_line_errors():
         rows = bm.benchmark_rows(work, engines, setup, shape, peer_bench.candidates if peer_bench else None)
     render.bench_rows(rows, setup, shape)
@@ -368,24 +370,33 @@ def _bench_precisions(text: str) -> list[str]:
     return names
 
 
-def _bench_peer(name: str | None, llama_cpp: Path | None, device: str, precisions: list[str], setup, cache: Path):
+def _cuda_precisions(text: str | None) -> tuple[str, ...] | None:
+    """--precisions for --device cuda: torch-cuda's precisions (None: the shape's dtype); else exit 2."""
+    from components.config import TORCH_CUDA_PRECISIONS
+
+    names = tuple(name.strip() for name in (text or "").split(",") if name.strip())
+    for name in names:
+        if name not in TORCH_CUDA_PRECISIONS:
+            _fail(KilnError(f"--precisions: {name!r} is not one the torch-cuda backend builds ({', '.join(TORCH_CUDA_PRECISIONS)})"))
+    return names or None
+
+
+def _bench_peer(name: str | None, llama_cpp: Path | None, precisions: list[str], setup, cache: Path):
     """The --peer's candidates, or None; its tools are looked for before any work (exit 2)."""
     if name is None:
         return None
-    if device != "cpu":
-        _fail(KilnError("--peer llama.cpp times the CPU: leave out --device cuda"))
     from benchmarks.llama_cpp_peer import LlamaCppPeer, find_llama_cpp
 
     with _one_line_errors():
         return LlamaCppPeer(find_llama_cpp(llama_cpp), precisions, setup, cache)
 
 
-def _bench_cuda(work: Path, setup, shape: str, json_path: Path | None) -> None:
+def _bench_cuda(work: Path, setup, shape: str, precisions: tuple[str, ...] | None, json_path: Path | None) -> None:
     from benchmarks import generation as bm
     from benchmarks.generation_cuda import cuda_rows
 
     with _one_line_errors():
-        results = cuda_rows(work, setup, shape)
+        results = cuda_rows(work, setup, shape, precisions=precisions)
     for result in results:
         render.bench_rows(result.rows, setup, shape, result.batch)
     if json_path is not None:

@@ -23,7 +23,7 @@ SIGNING_KEY = "signing_key"  # fingerprint of the key that signed the engine dir
 
 BACKEND = "backend"  # the runtime that runs the engine: onnxruntime, tensorrt or torch-cuda
 BACKEND_VERSION = "backend_version"  # that runtime's version when the engine was built
-PRECISION = "precision"  # fp32, fp16, bf16, int8 or int4
+PRECISION = "precision"  # fp32, fp16, bf16, fp8, int8 or int4
 TARGET = "target"  # `cpu`, or the GPU's compute capability (`sm_90`)
 MODEL_FAMILY = "model_family"  # gpt2, llama, qwen2 or mistral
 PARAMETER_COUNT = "parameter_count"  # parameters of the source model (a tied embedding counted once)

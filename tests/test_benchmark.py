@@ -128,3 +128,39 @@ def test_the_serving_bench_drives_every_server_once_a_round_so_a_slow_spell_fall
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert order == ["kiln", "http://peer-a", "http://peer-b"] * 3
+
+
+def test_the_gpu_floor_counts_the_weights_a_step_reads_and_each_rows_cache():
+    """Every weight is read once a step but the tables only looked up (GPT-2's positions, the
+    token embeddings where a separate lm_head is the output layer); fp8's e4m3 projections
+    read half of bf16's bytes; each row adds its cache up to its mean length."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.generation import BenchRow, BenchSetup, TINY
+    from benchmarks.generation_cuda import floor_row, weight_read_bytes
+    from components.runtime.static_kv import static_model_from_hf
+
+    llama = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300}
+    for tied in (True, False):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", tie_word_embeddings=tied, **llama))
+        bf16, fp8 = (static_model_from_hf(hf, dtype=torch.bfloat16, weights=w) for w in ("dense", "fp8"))
+        embed = 300 * 64 * 2
+        every = sum(p.numel() * 2 for p in bf16.parameters())
+        assert weight_read_bytes(bf16) == (every if tied else every - embed)
+        projections = sum(getattr(bf16, n).numel() for n in ("w_qkv", "w_o", "w_gate_up", "w_down"))
+        scales = sum(getattr(fp8, n).numel() * 4 for n in ("s_qkv", "s_o", "s_gate_up", "s_down"))
+        assert weight_read_bytes(fp8) == weight_read_bytes(bf16) - projections + scales
+    gpt2 = static_model_from_hf(AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **{k: v for k, v in TINY.items() if k != "family"})))
+    assert weight_read_bytes(gpt2) == sum(p.numel() * 4 for p in gpt2.parameters()) - gpt2.wpe.numel() * 4
+
+    class Engine:  # what floor_row reads of a loaded engine
+        manifest = type("Manifest", (), {"kv_bytes_per_token": 1000})()
+        runner = type("Runner", (), {"model": gpt2})()
+
+    setup = BenchSetup(prompt_tokens=32, new_tokens=128)
+    rows = [BenchRow("hf-static-compile-fp16", 100.0, 100 / 128, 1.0, ()), BenchRow("kiln-torch-cuda-fp16", 50.0, 50 / 128, 2.0, ())]
+    row = floor_row(rows, "hf-static-compile-fp16", "fp16", Engine(), 16, 1e12, setup)
+    step = weight_read_bytes(gpt2) + 16 * 1000 * (32 + 64)
+    assert row.median_ms == pytest.approx(128 * step / 1e12 * 1000) and row.speedup_vs_hf == pytest.approx(100.0 / row.median_ms)
+    assert row.name.endswith(f"kiln {50.0 / row.median_ms:.2f}x it") and row.name.startswith(f"fp16 read floor ({step / 1e9:.2f} GB a step at 1.00 TB/s)")

@@ -79,8 +79,8 @@ def test_a_serving_gate_scenario_past_the_profiles_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("build:\n  backend: torch-cuda\n", "build.backend torch-cuda builds fp32, fp16, bf16; precision.build has int8 (auto builds int8 on ONNX Runtime)"),
-        ("pool:\n  targets:\n    gpu: {backend: torch-cuda, precisions: [fp16, int8]}\n", "pool.targets.gpu.backend torch-cuda builds fp32, fp16, bf16; pool.targets.gpu.precisions has int8"),
+        ("build:\n  backend: torch-cuda\n", "build.backend torch-cuda builds fp32, fp16, bf16, fp8; precision.build has int8 (auto builds int8 on ONNX Runtime)"),
+        ("pool:\n  targets:\n    gpu: {backend: torch-cuda, precisions: [fp16, int8]}\n", "pool.targets.gpu.backend torch-cuda builds fp32, fp16, bf16, fp8; pool.targets.gpu.precisions has int8"),
     ],
 )
 def test_torch_cuda_asked_for_int8_is_a_config_error_before_any_work(tmp_path, text, message):
@@ -92,8 +92,8 @@ def test_torch_cuda_asked_for_int8_is_a_config_error_before_any_work(tmp_path, t
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("build:\n  backend: onnxruntime\n", "build.backend onnxruntime cannot build bf16 (precision.build): ONNX Runtime's CPU provider has no bf16 MatMul kernel"),
-        ("build:\n  backend: tensorrt\n", "build.backend tensorrt cannot build bf16 (precision.build): kiln's TensorRT engines are built from the precision ONNX, and the precision stage makes no bf16 graph"),
+        ("build:\n  backend: onnxruntime\n", "build.backend onnxruntime cannot build bf16 (precision.build): ONNX Runtime's CPU provider has no bf16 or FP8 MatMul kernel"),
+        ("build:\n  backend: tensorrt\n", "build.backend tensorrt cannot build bf16 (precision.build): kiln's TensorRT engines are built from the precision ONNX, and the precision stage makes no bf16 or FP8 graph"),
     ],
 )
 def test_bf16_asked_of_a_backend_other_than_torch_cuda_is_named_with_the_reason(tmp_path, text, message):
@@ -114,7 +114,7 @@ def test_bf16_is_a_precision_of_torch_cuda_and_auto_with_limits_of_its_own(tmp_p
     assert Params().gates.quality.limits["bf16"].min_top1_agreement <= Params().gates.quality.limits["fp16"].min_top1_agreement
     limits = "gates:\n  quality:\n    limits:\n      bf16: {min_top1_agreement: 0.95, max_ppl_increase_pct: 2.0}\n"
     assert load_params(write(tmp_path, limits)).gates.quality.limits["bf16"].min_top1_agreement == 0.95
-    with pytest.raises(ConfigError, match="precision.build.0: Input should be 'fp32', 'fp16', 'bf16', 'int8' or 'int4'"):
+    with pytest.raises(ConfigError, match="precision.build.0: Input should be 'fp32', 'fp16', 'bf16', 'fp8', 'int8' or 'int4'"):
         load_params(write(tmp_path, "precision:\n  build: [bfloat16]\n"))
 
 

@@ -153,20 +153,21 @@ def test_auto_builds_on_onnx_runtime_here_and_torch_cuda_is_refused_without_a_gp
         resolve_backend("torch-cuda", "fp16")
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize(
     ("backend", "reason"),
-    [("onnxruntime", "ONNX Runtime's CPU provider has no bf16 MatMul kernel"), ("tensorrt", "the precision stage makes no bf16 graph")],
+    [("onnxruntime", "ONNX Runtime's CPU provider has no bf16 or FP8 MatMul kernel"), ("tensorrt", "the precision stage makes no bf16 or FP8 graph")],
 )
-def test_bf16_is_built_by_torch_cuda_alone_and_another_backend_is_refused_by_name(backend, reason):
+def test_bf16_and_fp8_are_built_by_torch_cuda_alone_and_another_backend_is_refused_by_name(backend, reason, precision):
     from components.build import resolve_backend
 
-    with pytest.raises(BuildError, match=re.escape(f"bf16 engines are built by torch-cuda alone; build.backend {backend} cannot build them: ") + ".*" + re.escape(reason)):
-        resolve_backend(backend, "bf16")
+    with pytest.raises(BuildError, match=re.escape(f"{precision} engines are built by torch-cuda alone; build.backend {backend} cannot build them: ") + ".*" + re.escape(reason)):
+        resolve_backend(backend, precision)
     if CUDA:  # torch-cuda, even where TensorRT runs
-        assert resolve_backend("auto", "bf16") == resolve_backend("torch-cuda", "bf16") == "torch-cuda"
+        assert resolve_backend("auto", precision) == resolve_backend("torch-cuda", precision) == "torch-cuda"
         return
-    with pytest.raises(BackendUnavailable, match=re.escape(f"bf16 engines are built by torch-cuda alone, but torch {torch.__version__} sees no CUDA GPU")):
-        resolve_backend("auto", "bf16")
+    with pytest.raises(BackendUnavailable, match=re.escape(f"{precision} engines are built by torch-cuda alone, but torch {torch.__version__} sees no CUDA GPU")):
+        resolve_backend("auto", precision)
 
 
 def test_onnx_runtimes_cpu_provider_still_has_no_bf16_matmul():
@@ -803,3 +804,113 @@ def first_divergence_margins(reference, prompts, ours, theirs) -> float:
         top2 = logits.topk(2).values
         worst = max(worst, float(top2[0] - top2[1]))
     return worst
+
+
+# ---------------------------------------------------------------------------- fp8
+
+
+def test_fp8_rows_map_each_rows_largest_weight_to_e4m3s_largest_and_round_trip_within_its_precision():
+    """A scale per output row: a row of small weights keeps e4m3's whole precision (one scale
+    for the matrix would flush it towards zero), and an all-zero row stays zero, not NaN."""
+    from components.runtime.static_kv import FP8, FP8_MAX, fp8_rows
+
+    w = torch.randn(3, 6, 64) * torch.tensor([1.0, 1e-4, 30.0, 1.0, 1.0, 0.0]).view(1, 6, 1)
+    q, scale = fp8_rows(w)
+    assert q.dtype == FP8 and q.shape == w.shape and scale.shape == (3, 6) and scale.dtype == torch.float32
+    assert torch.equal(q.float().abs().amax(-1)[:, :5], torch.full((3, 5), FP8_MAX))
+    back = q.float() * scale.unsqueeze(-1)
+    assert torch.isfinite(back).all() and torch.equal(back[:, 5], torch.zeros(3, 64))
+    # e4m3 keeps 3 bits after the leading one: a rounding error of at most 2^-4 of the value
+    # (subnormals, far below the row's largest, round to a step of 2^-9 of 448).
+    error = (back - w).abs()
+    assert (error <= w.abs() / 16 + scale.unsqueeze(-1) * 2.0**-9 + 1e-12).all()
+    small = w[:, 1].abs().amax()  # its error is relative to its own size, not the matrix's
+    assert 0 < error[:, 1].max() < small / 16 and back[:, 1].abs().amax() > small / 2
+
+
+def test_fp8_linear_is_the_product_of_both_operands_as_e4m3_rounds_them():
+    """Activations quantized per row as they come (dynamic), the weight per output row: the
+    result is the exact product of the two rounded operands, and near the unrounded one."""
+    from components.runtime.static_kv import FP8_MAX, fp8_linear, fp8_rows
+
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(48, 64), torch.randn(48, dtype=torch.bfloat16)
+    x[2] *= 100.0  # a row of outliers scales itself, not its neighbours
+    q, scale = fp8_rows(w)
+    ours = fp8_linear(x, q, scale, bias)
+    x_scale = x.float().abs().amax(-1, keepdim=True) / FP8_MAX
+    rounded = (x.float() / x_scale).to(torch.float8_e4m3fn).float() * x_scale
+    expected = rounded @ (q.float() * scale.unsqueeze(-1)).t() + bias.float()
+    assert ours.dtype == torch.bfloat16 and ours.shape == (5, 48)
+    torch.testing.assert_close(ours.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    exact = x.float() @ w.t() + bias.float()
+    relative = (ours.float() - exact).norm(dim=-1) / exact.norm(dim=-1)
+    assert relative.max() < 0.08 and relative[2] < 0.08
+
+
+@pytest.mark.parametrize(("capability", "name", "refused"), [((8, 0), "NVIDIA A100-SXM4-80GB", True), ((8, 6), "NVIDIA A10", True), ((8, 9), "NVIDIA L4", False), ((9, 0), "NVIDIA H200", False)])
+def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores_naming_it(capability, name, refused):
+    from components.build.torch_cuda import _check_fp8_gpu
+
+    if refused:
+        with pytest.raises(BuildError, match=rf"fp8 engines need a GPU with FP8 tensor cores \(compute capability 8.9 or newer.*this {name} is sm_{capability[0]}{capability[1]}"):
+            _check_fp8_gpu(capability, name)
+    else:
+        _check_fp8_gpu(capability, name)
+
+
+def test_fp8_is_refused_for_gpt2_before_any_program_is_made(tmp_path):
+    from benchmarks.generation import TINY, benchmark_model_dir
+
+    model_dir = benchmark_model_dir(tmp_path / "model", TINY)
+    with pytest.raises(BuildError, match="fp8 engines are built for the Llama family"):
+        family_engine(model_dir, tmp_path / "engines", "fp8")
+    assert not (tmp_path / "engines").exists() or not any((tmp_path / "engines").iterdir())
+
+
+@pytest.fixture(scope="module")
+def fp8_engine_dir(family_dirs, tmp_path_factory):
+    return family_engine(family_dirs["llama"], tmp_path_factory.mktemp("fp8-engines"), "fp8")
+
+
+def test_an_fp8_engine_holds_e4m3_projections_and_is_the_model_within_fp8s_rounding(fp8_engine_dir, bf16_engine_dir, family_dirs):
+    """torch's CPU kernels run torch._scaled_mm, so the FP8 program is built, exported, saved,
+    loaded and checked here: e4m3 weights with row scales (half the bytes bf16 reads), a bf16
+    cache, logits further from the model than bf16's but within fp8's tolerance."""
+    from components.build.torch_cuda import PARITY_TOLERANCE
+    from components.runtime import open_engine
+
+    manifest = fp8_engine_dir.manifest
+    assert manifest.precision == "fp8" and manifest.parity.tolerance == PARITY_TOLERANCE["fp8"]
+    fp8_error = max(manifest.parity.prefill_max_abs_diff, manifest.parity.decode_max_abs_diff)
+    bf16_error = max(bf16_engine_dir.manifest.parity.prefill_max_abs_diff, bf16_engine_dir.manifest.parity.decode_max_abs_diff)
+    assert bf16_error < fp8_error < manifest.parity.tolerance
+    assert manifest.kv_bytes_per_token == bf16_engine_dir.manifest.kv_bytes_per_token
+    with open_engine(fp8_engine_dir) as engine:
+        weights = dict(engine.runner.model.named_parameters())
+        assert {weights[n].dtype for n in ("w_qkv", "w_o", "w_gate_up", "w_down")} == {torch.float8_e4m3fn}
+        assert {weights[n].dtype for n in ("s_qkv", "s_o", "s_gate_up", "s_down")} == {torch.float32}
+        assert engine.runner.dtype == engine.runner.k_cache.dtype == torch.bfloat16 and engine.runner.fast_step is None
+        tokens = engine.generate(FAMILY_PROMPTS, Sampling(max_new_tokens=8, stop_at_eos=False))
+    reference = hf_reference(family_dirs["llama"])
+    assert first_divergence_margins(reference, FAMILY_PROMPTS, tokens, hf_greedy_tokens(reference, FAMILY_PROMPTS, 8)) < 2 * manifest.parity.tolerance
+
+
+@needs_cuda
+def test_on_the_gpu_an_fp8_engine_keeps_the_models_greedy_tokens_but_for_near_ties(family_dirs, tmp_path):
+    """Built on an FP8 GPU (sm_89+): batched generation (the compiled step's FP8 GEMMs), one
+    row at a time, and kiln serve's step-wise path agree with the model but for near-ties."""
+    from components.build.torch_cuda import FP8_CAPABILITY
+    from components.runtime import open_engine
+
+    if torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        pytest.skip(f"{torch.cuda.get_device_name()} has no FP8 tensor cores")
+    engine_dir = family_engine(family_dirs["llama"], tmp_path / "engines", "fp8", device="cuda")
+    reference = hf_reference(family_dirs["llama"])
+    theirs = hf_greedy_tokens(reference, FAMILY_PROMPTS, 32)
+    with open_engine(engine_dir) as engine, torch.no_grad():
+        batched = engine.generate(FAMILY_PROMPTS, Sampling(max_new_tokens=32, stop_at_eos=False))
+        one_row = [engine.generate([p], Sampling(max_new_tokens=32, stop_at_eos=False))[0] for p in FAMILY_PROMPTS]
+        stepwise = greedy_step_by_step(engine, FAMILY_PROMPTS, 32)
+    for ours in (batched, one_row, stepwise):
+        assert first_divergence_margins(reference, FAMILY_PROMPTS, ours, theirs) < 2 * engine_dir.manifest.parity.tolerance

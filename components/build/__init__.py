@@ -75,7 +75,7 @@ def engine_from_onnx(
         from components.build.torch_cuda import torch_engine_from_model
 
         lineage = lineage.model_copy(update={"precision_onnx_sha256": None, "calibration_digest": None})
-        return torch_engine_from_model(model.path, graph.precision, lineage, params.profiles, out_root)
+        return torch_engine_from_model(model.path, graph.precision, lineage, params.profiles, out_root, memory_utilization=params.gpu_memory_utilization)
     from components.build.onnxruntime import ort_engine_from_onnx
 
     return ort_engine_from_onnx(graph, model.path, lineage, params, out_root)

@@ -6,7 +6,9 @@ prefill, decode and scoring; the caches are mutated inputs), with the batch,
 token count, attended length and picked positions dynamic and the cache's shape fixed by
 the profile (slots = the batch profile's max, context = the context profile's max). It is
 built from the Hugging Face model directory, not from the precision ONNX: the dtype (fp32,
-fp16, bf16) is the program's weights, and int8 has no torch-cuda form. The model is loaded
+fp16, bf16) is the program's weights; fp8 keeps each layer's projections in e4m3 with a
+scale per output row and computes in bf16 (Ada and Hopper GPUs, the Llama family); int8
+has no torch-cuda form. The model is loaded
 in the dtype it was saved in (an 8B bf16 model takes 16 GB of host memory, not fp32's 32)
 and cast on the device, layer by layer.
 
@@ -18,6 +20,7 @@ components.runtime.torch_cuda refuses to load one elsewhere, naming both.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -34,17 +37,26 @@ from components.model_dir import eos_token_ids, stored_dtype
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 BACKEND = "torch-cuda"
 ENGINE_FILE = "model.pt2"
 PROGRAM_INPUTS = ["input_ids", "positions", "attn_bias", "picked", "k_cache", "v_cache"]
 # bf16 measured no faster than fp16 and less exact (docs/performance.md#on-the-gpu), but
 # it is the dtype Llama 3 and Qwen2.5 are published in: their own rounding, and fp16's range.
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# The dtype each precision computes in; fp8 keeps its projections' weights in e4m3 and
+# computes the rest in bf16 (the FP8 GEMM's row-wise scaling writes bf16).
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
+WEIGHT_FORMAT = {"fp8": "fp8"}  # the rest: dense weights in the precision's dtype
+SOURCE_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # a model's saved dtype, as a precision
 # Largest logit difference from the PyTorch model that a build accepts: fp32 differs by
 # summation order only, fp16 by its rounding (3.3e-3 measured on the H200 for GPT-2 small),
-# bf16 by 8x fp16's (8 significant bits to 11), so 8x its tolerance. A model saved in bf16
+# bf16 by 8x fp16's (8 significant bits to 11), so 8x its tolerance; fp8 (e4m3: 4
+# significant bits, weights and activations) 16x bf16's: a bound that catches a wrong scale
+# or layout, while the quality gate holds fp8 to int8's limits. A model saved in bf16
 # computes in bf16 itself, and its tolerance is added (parity_tolerance).
-PARITY_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 0.4}
+PARITY_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 0.4, "fp8": 6.4}
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores; torch._scaled_mm needs them
 
 
 def torch_target(device: str) -> str:
@@ -68,15 +80,19 @@ def torch_versions() -> dict[str, str]:
 
 
 def torch_engine_from_model(
-    model_dir: Path, precision: str, lineage: Lineage, profiles: ProfileParams, out_root: Path, device: str = "cuda"
+    model_dir: Path, precision: str, lineage: Lineage, profiles: ProfileParams, out_root: Path, device: str = "cuda", memory_utilization: float = 0.9
 ) -> EngineDir:
-    """A torch-cuda engine directory for `model_dir` in `precision`, built on `device`."""
+    """A torch-cuda engine directory for `model_dir` in `precision`, built on `device`; on a
+    GPU its cache holds as many of `profiles.batch.max` sequences as `memory_utilization` of
+    the card leaves room for (components.runtime.gpu_memory)."""
     import torch
 
     if precision not in DTYPES:
         raise BuildError(f"the torch-cuda backend builds {', '.join(DTYPES)}; precision {precision} has no torch-cuda form (use onnxruntime or tensorrt)")
     if device != "cpu" and not torch.cuda.is_available():
         raise BuildError(f"the torch-cuda backend needs a CUDA GPU; torch {torch.__version__} sees none")
+    if precision == "fp8" and device != "cpu":
+        _check_fp8_gpu(torch.cuda.get_device_capability(torch.device(device)), torch.cuda.get_device_name(torch.device(device)))
     build = BackendBuild(BACKEND, torch.__version__, torch_target(device), ENGINE_FILE)
     identity = (section_digest(profiles)[:8], lineage.source_model_sha256[:12])
     target = engine_folder(out_root, build, precision, *identity)
@@ -84,15 +100,32 @@ def torch_engine_from_model(
     def fill(staging: Path) -> None:
         hf = hf_model(model_dir)
         _check_full_attention(hf.config, profiles)
-        program, parity = _export_checked(hf, precision, profiles, device)
+        if precision == "fp8":
+            _check_fp8_family(hf.config)
+        program, parity, sized = _export_checked(hf, precision, profiles, device, memory_utilization)
         _drop_stack_traces(program)
         torch.export.save(program, staging / ENGINE_FILE)
         for name in TOKENIZER_FILES:
             shutil.copyfile(model_dir / name, staging / name)
         template_sha256 = write_chat_template(staging, model_dir)
-        write_manifest(staging, _manifest(staging, build, hf, precision, model_dir, lineage, profiles, parity).model_copy(update={"chat_template_sha256": template_sha256}))
+        write_manifest(staging, _manifest(staging, build, hf, precision, model_dir, lineage, sized, parity).model_copy(update={"chat_template_sha256": template_sha256}))
 
     return load_engine_dir(stage_output(target, MANIFEST, fill))
+
+
+def _check_fp8_gpu(capability: tuple[int, int], name: str) -> None:
+    """FP8 engines need FP8 tensor cores (sm_89 and newer); say which GPU lacks them."""
+    if tuple(capability) < FP8_CAPABILITY:
+        major, minor = capability
+        raise BuildError(
+            f"fp8 engines need a GPU with FP8 tensor cores (compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer: Ada, Hopper, Blackwell); "
+            f"this {name} is sm_{major}{minor} (build bf16 or fp16 on it)"
+        )
+
+
+def _check_fp8_family(config) -> None:
+    if config.model_type == "gpt2":
+        raise BuildError("fp8 engines are built for the Llama family (Llama, Qwen2, Mistral); GPT-2 builds fp32, fp16 or bf16")
 
 
 def _drop_stack_traces(program: torch.export.ExportedProgram) -> None:
@@ -122,17 +155,22 @@ def hf_model(model_dir: Path):
 def parity_tolerance(precision: str, source_dtype: str) -> float:
     """The program's rounding, plus the model's own where it computes in less than fp32: the
     reference is the model as saved, and a bf16 model's logits carry bf16's rounding too."""
-    source = {dtype: name for name, dtype in DTYPES.items()}[source_dtype]
+    source = SOURCE_PRECISION[source_dtype]
     return PARITY_TOLERANCE[precision] + (PARITY_TOLERANCE[source] if source != "fp32" else 0.0)
 
 
-def _export_checked(hf, precision: str, profiles: ProfileParams, device: str):
-    """The exported program, and its parity with the model, checked against the tolerance."""
+def _export_checked(hf, precision: str, profiles: ProfileParams, device: str, memory_utilization: float):
+    """The exported program, its parity with the model (checked against the tolerance), and
+    the profiles it was exported for (on a GPU: as many slots as the card holds)."""
     import torch
 
     from components.runtime.static_kv import static_model_from_hf
 
-    static = static_model_from_hf(hf, dtype=getattr(torch, DTYPES[precision]), device=device)
+    formats = {"weights": WEIGHT_FORMAT[precision]} if precision in WEIGHT_FORMAT else {}
+    dtype = getattr(torch, DTYPES[precision])
+    static = static_model_from_hf(hf, dtype=dtype, device=device, **formats)
+    if device != "cpu":
+        profiles = sized_to_the_card(static.shape, profiles, dtype.itemsize, device, memory_utilization)
     program = export_program(static, profiles.batch.max, profiles.context.max)
     tolerance = parity_tolerance(precision, str(hf.dtype).removeprefix("torch."))
     parity = program_parity(program.module(), hf, profiles.batch.max, profiles.context.max, device, tolerance)
@@ -141,7 +179,19 @@ def _export_checked(hf, precision: str, profiles: ProfileParams, device: str):
             f"the {precision} torch-cuda program differs from the PyTorch model by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff):.3g} "
             f"in its logits (tolerance {parity.tolerance:g})"
         )
-    return program, parity
+    return program, parity, profiles
+
+
+def sized_to_the_card(shape, profiles: ProfileParams, dtype_bytes: int, device: str, memory_utilization: float) -> ProfileParams:
+    """`profiles` with batch.max the slots that fit on the card now that the weights are on it."""
+    from components.config import ShapeRange
+    from components.runtime.gpu_memory import CardMemory, activations_of, plan_slots, slot_bytes_of
+
+    card, context, batch = CardMemory.of(device), profiles.context.max, profiles.batch
+    activations = activations_of(shape, batch.max, profiles.prompt.max, dtype_bytes)
+    plan = plan_slots(card, memory_utilization, activations, slot_bytes_of(shape, context, dtype_bytes), context, batch.min, batch.max)
+    log.info(plan.text(card))
+    return profiles.model_copy(update={"batch": ShapeRange(min=batch.min, opt=min(batch.opt, plan.slots), max=plan.slots)})
 
 
 def export_program(model, num_slots: int, max_context: int):

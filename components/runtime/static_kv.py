@@ -313,6 +313,28 @@ def rotary_frequencies(config) -> tuple[Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite magnitude
+WEIGHT_FORMATS = ("dense", "fp8")
+
+
+def fp8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """`w` (..., N, K) in e4m3 with one fp32 scale per output row (..., N): each row's largest
+    magnitude maps to 448, so a row of small weights keeps e4m3's whole precision."""
+    wide = w.float()
+    scale = wide.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (wide / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (M, K) @ w (N, K)ᵀ in one FP8 GEMM: x quantized to e4m3 row by row as it comes
+    (dynamic scales), both scales applied in the GEMM's epilogue, the result in x's dtype."""
+    x_scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' LlamaRMSNorm: statistics and scaling in fp32, the weight in the model dtype."""
     h = x.float()
@@ -335,6 +357,10 @@ class StaticKVLlama(nn.Module):
     each). The cache holds the KV heads only; `gqa` picks how a group of query heads meets
     its KV head: "fold" (the group's queries become rows of one attention call per KV head,
     the cache is read as it is), "sdpa" (SDPA's enable_gqa) or "repeat" (repeat_interleave).
+
+    `weights="fp8"` keeps the four projections of every layer in e4m3 with a scale per output
+    row (`fp8_rows`), multiplied by `fp8_linear`; embeddings, norms and the lm_head stay in
+    `dtype` (bf16: the FP8 GEMM's row-wise scaling writes bf16).
     """
 
     GQA_MODES = ("fold", "sdpa", "repeat")
@@ -348,10 +374,13 @@ class StaticKVLlama(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         gqa: str = "fold",
+        weights: str = "dense",
     ) -> None:
         super().__init__()
         if gqa not in self.GQA_MODES:
             raise ValueError(f"gqa {gqa!r} is not one of {', '.join(self.GQA_MODES)}")
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
         self.shape, self.gqa = shape, gqa
         state = {k.removeprefix("model."): v for k, v in state_dict.items()}
         L = shape.num_layers
@@ -362,15 +391,24 @@ class StaticKVLlama(nn.Module):
         def stacked(*suffixes: str) -> Tensor:
             return torch.stack([torch.cat([_on(device, dtype, state[f"layers.{i}.{s}"]) for s in suffixes]) for i in range(L)])
 
+        def projection(*suffixes: str) -> tuple[nn.Parameter, nn.Parameter | None]:
+            """A projection's stacked weight, and its row scales where it is FP8 (quantized
+            layer by layer on the device, so no stacked copy in `dtype` is ever made)."""
+            if weights == "dense":
+                return param(stacked(*suffixes)), None
+            rows = [fp8_rows(torch.cat([_on(device, dtype, state[f"layers.{i}.{s}"]) for s in suffixes])) for i in range(L)]
+            frozen = (nn.Parameter(torch.stack(t), requires_grad=False) for t in zip(*rows, strict=True))
+            return next(frozen), next(frozen)
+
         self.embed = param(state["embed_tokens.weight"])
         self.ln1_w = param(stacked("input_layernorm.weight"))
         self.ln2_w = param(stacked("post_attention_layernorm.weight"))
-        self.w_qkv = param(stacked("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
+        self.w_qkv, self.s_qkv = projection("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
         self.b_qkv = param(stacked("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")) if shape.qkv_bias else None
-        self.w_o = param(stacked("self_attn.o_proj.weight"))
+        self.w_o, self.s_o = projection("self_attn.o_proj.weight")
         self.b_o = param(stacked("self_attn.o_proj.bias")) if shape.o_bias else None
-        self.w_gate_up = param(stacked("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-        self.w_down = param(stacked("mlp.down_proj.weight"))
+        self.w_gate_up, self.s_gate_up = projection("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        self.w_down, self.s_down = projection("mlp.down_proj.weight")
         self.lnf_w = param(state["norm.weight"])
         lm_head = state.get("lm_head.weight")
         embed = state["embed_tokens.weight"]
@@ -397,6 +435,12 @@ class StaticKVLlama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.shape.rope_scaling, emb.sin() * self.shape.rope_scaling
         return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+
+    @staticmethod
+    def _project(x: Tensor, weight: Tensor, scale: Tensor | None, layer: int, bias: Tensor | None = None) -> Tensor:
+        """x through one layer's projection: dense, or FP8 with its row scales."""
+        bias = None if bias is None else bias[layer]
+        return F.linear(x, weight[layer], bias) if scale is None else fp8_linear(x, weight[layer], scale[layer], bias)
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
         """q (B, P, H, D), keys/values (B, KVH, A, D) → (B, P, H * D); query head h reads KV
@@ -437,8 +481,7 @@ class StaticKVLlama(nn.Module):
         write_pos = positions.view(B, P, 1)
         for layer in range(s.num_layers):
             a = _rms_norm(x, self.ln1_w[layer], s.eps)
-            b_qkv = None if self.b_qkv is None else self.b_qkv[layer]
-            qkv = F.linear(a, self.w_qkv[layer], b_qkv).view(B, P, H + 2 * KVH, D)
+            qkv = self._project(a, self.w_qkv, self.s_qkv, layer, self.b_qkv).view(B, P, H + 2 * KVH, D)
             q = _rotate(qkv[:, :, :H], cos, sin)
             k = _rotate(qkv[:, :, H : H + KVH], cos, sin)
             # As in StaticKVGPT2: one index_put per cache on the cache tensor itself.
@@ -446,10 +489,10 @@ class StaticKVLlama(nn.Module):
             k_cache.index_put_(index, k)
             v_cache.index_put_(index, qkv[:, :, H + KVH :])
             o = self._attend(q, k_cache[layer, :B, :, :A], v_cache[layer, :B, :, :A], attn_bias)
-            x = x + F.linear(o.view(B * P, H * D), self.w_o[layer], None if self.b_o is None else self.b_o[layer])
+            x = x + self._project(o.view(B * P, H * D), self.w_o, self.s_o, layer, self.b_o)
             a = _rms_norm(x, self.ln2_w[layer], s.eps)
-            gate_up = F.linear(a, self.w_gate_up[layer])
-            x = x + F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], self.w_down[layer])
+            gate_up = self._project(a, self.w_gate_up, self.s_gate_up, layer)
+            x = x + self._project(F.silu(gate_up[:, :I]) * gate_up[:, I:], self.w_down, self.s_down, layer)
         x_last = x.view(B, P, E)[torch.arange(B, device=x.device).view(B, 1), picked]
         x_last = _rms_norm(x_last, self.lnf_w, s.eps)
         return F.linear(x_last, self.embed if self.lm_head is None else self.lm_head)
@@ -1235,6 +1278,8 @@ __all__ = [
     "StaticKVRunner",
     "StaticShape",
     "bytes_of_weights",
+    "fp8_linear",
+    "fp8_rows",
     "causal_bias",
     "left_padded_positions",
     "new_cache",

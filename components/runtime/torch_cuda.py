@@ -91,8 +91,17 @@ class TorchCudaEngine(Engine):
         program.to(self.device)
         shape = static_shape_from_json(self.manifest.runtime["shape"])
         slots, context = self.manifest.profiles["generation"].batch.max, self.manifest.profiles["generation"].past.max + 1
+        if self.device == "cuda":
+            self._check_cache_room(shape, slots, context, next(program.parameters()).dtype.itemsize)
         fast_step = _triton_step(program, shape, context) if self.device == "cuda" else None
         return StaticKVRunner(program, shape=shape, num_slots=slots, max_context=context, compile_step=self.device == "cuda", fast_step=fast_step)
+
+    def _check_cache_room(self, shape, slots: int, context: int, dtype_bytes: int) -> None:
+        """The cache the build sized to its card must fit this one, now the weights are on it."""
+        from components.runtime.gpu_memory import CardMemory, activations_of, check_cache_fits, slot_bytes_of
+
+        activations = activations_of(shape, slots, self.manifest.profiles["context"].sequence.max, dtype_bytes)
+        check_cache_fits(CardMemory.of(self.device), slots, context, slot_bytes_of(shape, context, dtype_bytes), activations)
 
     # ------------------------------------------------------------ what the gates and bench call
 
@@ -287,6 +296,8 @@ def _triton_step(program, shape, max_context: int):
         from components.runtime.triton_decode import triton_decode_step
     except ImportError:
         return None
+    if any(p.dtype.itemsize == 1 for p in program.parameters()):
+        return None  # the Triton kernels read 16- and 32-bit weights: FP8 takes the compiled step
     # Buffers too: the Llama family's rotary frequencies are one.
     return triton_decode_step(dict(program.named_parameters()) | dict(program.named_buffers()), shape, max_context)
 
