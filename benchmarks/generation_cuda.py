@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.generation import PUBLISHED_DTYPE, SHAPES, BenchRow, BenchSetup, random_prompts, rows_from_samples, saved_with_tokenizer, time_interleaved
+from benchmarks.generation import PUBLISHED_DTYPE, SHAPES, BenchRow, BenchSetup, random_prompts, read_floor_row, rows_from_samples, saved_with_tokenizer, time_interleaved
 
 BATCHES = (1, 16, 64)
 MAX_CONTEXT = 1024  # the engines' cache: enough for 32 + 128, and GPT-2's whole context
@@ -143,16 +143,10 @@ def weight_read_bytes(program) -> int:
 
 def floor_row(rows: list[BenchRow], baseline: str, precision: str, engine, batch: int, bandwidth: float, setup: BenchSetup) -> BenchRow:
     """The generation's floor for `precision` at `batch`: each step reads the weights once and
-    every row's cache up to its length, at `bandwidth`; named with kiln's ratio to it."""
-    manifest, weights = engine.manifest, weight_read_bytes(engine.runner.model)
-    kv_token = manifest.kv_bytes_per_token or 0
-    mean_attended = setup.prompt_tokens + setup.new_tokens / 2
-    step_bytes = weights + batch * kv_token * mean_attended
-    floor_ms = setup.new_tokens * step_bytes / bandwidth * 1000.0
-    kiln = next(row for row in rows if row.name == f"kiln-torch-cuda-{precision}")
-    name = f"{precision} read floor ({step_bytes / 1e9:.2f} GB a step at {bandwidth / 1e12:.2f} TB/s): kiln {kiln.median_ms / floor_ms:.2f}x it"
-    peer = next(row for row in rows if row.name == baseline)
-    return BenchRow(name, floor_ms, floor_ms / setup.new_tokens, peer.median_ms / floor_ms, ())
+    every row's cache up to its mean length, at `bandwidth`; named with kiln's ratio to it."""
+    kv_token = engine.manifest.kv_bytes_per_token or 0
+    step = weight_read_bytes(engine.runner.model) + batch * kv_token * (setup.prompt_tokens + setup.new_tokens / 2)
+    return read_floor_row(rows, baseline, precision, f"kiln-torch-cuda-{precision}", step, bandwidth, setup, "step")
 
 
 def _failing(candidates: dict[str, Callable[[], None]], name: str) -> BenchRow | None:

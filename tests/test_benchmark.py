@@ -163,4 +163,25 @@ def test_the_gpu_floor_counts_the_weights_a_step_reads_and_each_rows_cache():
     row = floor_row(rows, "hf-static-compile-fp16", "fp16", Engine(), 16, 1e12, setup)
     step = weight_read_bytes(gpt2) + 16 * 1000 * (32 + 64)
     assert row.median_ms == pytest.approx(128 * step / 1e12 * 1000) and row.speedup_vs_hf == pytest.approx(100.0 / row.median_ms)
-    assert row.name.endswith(f"kiln {50.0 / row.median_ms:.2f}x it") and row.name.startswith(f"fp16 read floor ({step / 1e9:.2f} GB a step at 1.00 TB/s)")
+    assert row.name == f"fp16 floor: {step / 1e6:.1f} MB/step @ 1.00 TB/s, kiln {50.0 / row.median_ms:.2f}x"
+
+
+def test_the_cpu_floor_reads_every_weight_but_the_looked_up_tables_at_the_measured_bandwidth(tmp_path):
+    """An engine's floor: the bytes of its graph's initializers that a step multiplies by
+    (not the embedding tables Gather looks a row up in), at a copy's bandwidth; int8's
+    weights are about a quarter of fp32's."""
+    import onnx
+
+    from components.engine_dir import load_engine_dir
+
+    setup = bm.BenchSetup(calibration_prompts=2)
+    _, engines = bm.benchmark_engines(tmp_path, ["fp32", "int8"], setup, TINY)
+    fp32 = load_engine_dir(engines["fp32"])
+    graph = onnx.load(str(fp32.engine_file)).graph
+    sizes = {t.name: onnx.numpy_helper.to_array(t).nbytes for t in graph.initializer}
+    gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
+    tables = {name for name in gathered if name in sizes and all(n.op_type == "Gather" for n in graph.node if name in n.input)}
+    assert tables and bm.onnx_read_bytes(fp32.engine_file) == sum(sizes.values()) - sum(sizes[t] for t in tables)
+    int8 = bm.onnx_read_bytes(load_engine_dir(engines["int8"]).engine_file)
+    assert int8 < 0.5 * bm.onnx_read_bytes(fp32.engine_file)
+    assert 1e8 < bm.memory_bandwidth(gib=0.05, repeats=2) < 1e13
