@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,9 +48,10 @@ def shape_dtype(shape: str) -> str:
 
 def cuda_rows(
     work: Path, setup: BenchSetup, shape: str = "gpt2-small", batches: tuple[int, ...] = BATCHES, precisions: tuple[str, ...] | None = None
-) -> list[CudaRows]:
+) -> Iterator[CudaRows]:
     """Build (or reuse) the benchmark model and its torch-cuda engines; time the peers and
-    them, batch by batch, with each precision's weight-read floor beside them."""
+    them, batch by batch (each batch's rows as soon as they are measured), with each
+    precision's weight-read floor beside them."""
     import torch
 
     from components.errors import BackendUnavailable
@@ -69,7 +70,6 @@ def cuda_rows(
     peer = StaticCacheLoop(hf)
     tag = DTYPE_NAMES[dtype]
     sampling = Sampling(max_new_tokens=setup.new_tokens, stop_at_eos=False)
-    results = []
     with ExitStack() as stack:
         engines = {p: stack.enter_context(load_engine(path)) for p, path in paths.items()}
         for batch in batches:
@@ -87,8 +87,7 @@ def cuda_rows(
             rows += [floor_row(rows, baseline, p, engine, batch, bandwidth, setup) for p, engine in engines.items()]
             if failed is not None:
                 rows.insert(0, failed)
-            results.append(CudaRows(batch, rows))
-    return results
+            yield CudaRows(batch, rows)
 
 
 def gpu_model_dir(directory: Path, shape: dict, dtype: str, seed: int) -> Path:

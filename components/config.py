@@ -267,8 +267,9 @@ class ProfileParams(_Section):
 
 
 Precision = Literal["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
-TORCH_CUDA_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # what the torch-cuda backend builds (no int8 program)
-ORT_ONLY_PRECISIONS = ("int4",)  # graphs of ONNX Runtime's own operators (MatMulNBits)
+TORCH_CUDA_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int4")  # what the torch-cuda backend builds (no int8 program)
+# Built by ONNX Runtime (MatMulNBits) and torch-cuda (a 4-bit weight kernel), not by kiln's TensorRT backend.
+NOT_TENSORRT_PRECISIONS = ("int4",)
 # Made by the torch-cuda build from the model, with no precision ONNX of their own.
 TORCH_CUDA_ONLY_PRECISIONS = ("bf16", "fp8")
 # Why the other backends cannot build them (measured: ONNX Runtime 1.32 finds no CPU MatMul for bf16).
@@ -374,7 +375,7 @@ class PrecisionParams(_Section):
     int8: Int8Params = Int8Params()
     """int8: 8-bit weight blocks (ONNX Runtime) or static Q/DQ quantization (TensorRT)."""
     int4: Int4Params = Int4Params()
-    """int4 weight-only block quantization (ONNX Runtime only)."""
+    """int4 weight-only block quantization (ONNX Runtime's graph; torch-cuda quantizes the model itself, in groups of 128)."""
     fp16: Fp16Params = Fp16Params()
     """fp16 conversion."""
 
@@ -809,10 +810,10 @@ class Params(_Section):
             torch_only = [p for p in precisions if p in TORCH_CUDA_ONLY_PRECISIONS]
             if backend in NOT_TORCH_CUDA and torch_only:
                 raise ValueError(f"{backend_key} {backend} cannot build {', '.join(torch_only)} ({precisions_key}): {NOT_TORCH_CUDA[backend]} (torch-cuda builds it, and auto on a CUDA GPU)")
-            ort_only = [p for p in precisions if p in ORT_ONLY_PRECISIONS or (p == "int8" and self.precision.int8.scheme == "blocks")]
-            if backend == "tensorrt" and ort_only:
-                qdq = "; TensorRT builds int8 from Q/DQ: precision.int8.scheme qdq or auto" if "int8" in ort_only else ""
-                raise ValueError(f"{backend_key} tensorrt cannot build {', '.join(ort_only)} ({precisions_key}): those engines run ONNX Runtime's MatMulNBits (auto builds them on ONNX Runtime){qdq}")
+            not_trt = [p for p in precisions if p in NOT_TENSORRT_PRECISIONS or (p == "int8" and self.precision.int8.scheme == "blocks")]
+            if backend == "tensorrt" and not_trt:
+                qdq = "; TensorRT builds int8 from Q/DQ: precision.int8.scheme qdq or auto" if "int8" in not_trt else ""
+                raise ValueError(f"{backend_key} tensorrt cannot build {', '.join(not_trt)} ({precisions_key}): those engines run ONNX Runtime's MatMulNBits or torch-cuda's 4-bit kernel (auto builds them){qdq}")
         return self
 
     def digest(self) -> str:

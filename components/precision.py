@@ -55,6 +55,12 @@ class PrecisionOnnx:
         return self.onnx.is_intact()
 
 
+def model_stand_in(onnx: ExportedOnnx, precision: str) -> PrecisionOnnx:
+    """No graph of its own: the fp32 export stands in (fp32, and every torch-cuda engine,
+    which is built from the model itself)."""
+    return PrecisionOnnx(onnx=onnx, precision=precision, fp32_sha256=onnx.sha256)
+
+
 def precision_onnx(
     onnx: ExportedOnnx, precision: str, calibration: CalibrationSet | None, params: PrecisionParams, out_root: Path
 ) -> PrecisionOnnx:
@@ -62,7 +68,7 @@ def precision_onnx(
     the engine's backend first (`PrecisionParams.for_backend`). bf16 has no graph: the
     torch-cuda build makes it from the model (the fp32 export stands in, as for fp32)."""
     if precision in ("fp32", *TORCH_CUDA_ONLY_PRECISIONS):
-        return PrecisionOnnx(onnx=onnx, precision=precision, fp32_sha256=onnx.sha256)
+        return model_stand_in(onnx, precision)
     params = params.for_backend("onnxruntime")  # a scheme other than auto stays as it is
     calibrated = precision == "int8" and params.int8.scheme == "qdq"
     if calibrated and calibration is None:

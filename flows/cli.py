@@ -331,6 +331,7 @@ def bench(
     work: Annotated[Path, typer.Option(help="where the benchmark model and engines are kept")] = Path(".kiln/bench"),
     shape: Annotated[BenchShape, typer.Option(help="gpt2-small (124M), smollm2-135m (a Llama: 30 layers, 3 KV heads), qwen2.5-0.5b, llama3.2-1b, llama3.2-3b, llama3.1-8b, qwen2.5-7b (their configs, random weights) or tiny (a quick check that it runs)")] = "gpt2-small",
     device: Annotated[Literal["cpu", "cuda"], typer.Option(help="cpu: HF eager fp32 vs ONNX Runtime engines; cuda: HF static cache + torch.compile (and eager at batch 1) vs torch-cuda engines, batch 1, 16 and 64, with each precision's weight-read floor")] = "cpu",
+    batches: Annotated[str, typer.Option(help="--device cuda: comma-separated batch sizes to time")] = "1,16,64",
     peer: Annotated[Literal["llama.cpp"] | None, typer.Option(help="also time llama-bench on the same model as GGUF (int8 beside Q8_0, int4 beside Q4_0), interleaved")] = None,
     llama_cpp: Annotated[Path | None, typer.Option(help="llama.cpp checkout or build folder for --peer (default: $KILN_LLAMA_CPP, else PATH)")] = None,
 ) -> None:
@@ -345,7 +346,7 @@ def bench(
     if device == "cuda":
         if peer is not None:
             _fail(KilnError("--peer llama.cpp times the CPU: leave out --device cuda"))
-        return _bench_cuda(work, setup, shape, _cuda_precisions(precisions), json_path)
+        return _bench_cuda(work, setup, shape, _cuda_precisions(precisions), _batches(batches), json_path)
     engines = _bench_precisions(precisions or "fp32,int8,int4")
     peer_bench = _bench_peer(peer, llama_cpp, engines, setup, work / shape / "gguf")
     with _one_line_errors():
@@ -391,14 +392,26 @@ def _bench_peer(name: str | None, llama_cpp: Path | None, precisions: list[str],
         return LlamaCppPeer(find_llama_cpp(llama_cpp), precisions, setup, cache)
 
 
-def _bench_cuda(work: Path, setup, shape: str, precisions: tuple[str, ...] | None, json_path: Path | None) -> None:
+def _batches(text: str) -> tuple[int, ...]:
+    """--batches as sizes; else exit 2 naming what was wrong."""
+    try:
+        sizes = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        _fail(KilnError(f"--batches: {text!r} is not a comma-separated list of batch sizes (1 or more)"))
+    return sizes
+
+
+def _bench_cuda(work: Path, setup, shape: str, precisions: tuple[str, ...] | None, batches: tuple[int, ...], json_path: Path | None) -> None:
     from benchmarks import generation as bm
     from benchmarks.generation_cuda import cuda_rows
 
+    results = []
     with _one_line_errors():
-        results = cuda_rows(work, setup, shape, precisions=precisions)
-    for result in results:
-        render.bench_rows(result.rows, setup, shape, result.batch)
+        for result in cuda_rows(work, setup, shape, batches, precisions):
+            render.bench_rows(result.rows, setup, shape, result.batch)
+            results.append(result)
     if json_path is not None:
         bm.write_json([row for result in results for row in result.rows], setup, json_path, batches=[r.batch for r in results for _ in r.rows])
         render.console.print(f"rows written to {json_path}")

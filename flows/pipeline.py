@@ -24,7 +24,7 @@ from components.errors import GateFailed, KilnError
 from components.export import ExportedOnnx, onnx_from_model
 from components.gates import GateReport, GateResult, fastest_passing, gated_engine, write_report
 from components.model_dir import TrainedModel, check_fits_model, model_from_directory, pretrained_directory
-from components.precision import precision_onnx
+from components.precision import PrecisionOnnx, model_stand_in, precision_onnx
 from components.runtime import open_engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
@@ -217,8 +217,7 @@ def _engine_for(
     target: RegistryTarget,
     training: RunLink | None,
 ) -> EngineOutcome:
-    settings = params.precision.for_backend(int8_backend(params)) if precision == "int8" else params.precision
-    graph = convert_precision(onnx, precision, calibration, settings, workspace.stage_dir("precision"))
+    graph = _precision_graph(precision, params, onnx, calibration, workspace)
     engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"), params.serving.threads)
     report = gated.report.plus(serving_check(engine, data.texts("eval"), params.gates, params.serving.threads))
@@ -233,6 +232,15 @@ def _engine_for(
     record = run_record(params, model, onnx, engine, report, report_dir, calibration, git_commit(workspace.root), champion, compared, training)
     registration = register(target, engine.path, engine.sha256, record)
     return EngineOutcome(precision, engine, report, registration, compared)
+
+
+def _precision_graph(precision: str, params: Params, onnx: ExportedOnnx, calibration: CalibrationSet | None, workspace: Workspace) -> PrecisionOnnx:
+    """The precision's graph, for the backend that builds it; none where torch-cuda does
+    (it quantizes the model itself: an int4 MatMulNBits graph would be made for nothing)."""
+    if precision != "int8" and resolve_backend(params.build.backend, precision) == "torch-cuda":
+        return model_stand_in(onnx, precision)
+    settings = params.precision.for_backend(int8_backend(params)) if precision == "int8" else params.precision
+    return convert_precision(onnx, precision, calibration, settings, workspace.stage_dir("precision"))
 
 
 def _publish_report(precision: str, report: GateReport, against_champion: GateResult | None, directory: Path) -> Path:

@@ -494,9 +494,13 @@ def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path):
     result = kiln("bench", "--shape", "tiny", "--runs", "2", "--json", str(tmp_path / "bench.json"), "--work", str(tmp_path / "work"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hf-eager-fp32" in result.stdout and "kiln-ort-int8" in result.stdout and "kiln-ort-int4" in result.stdout
-    rows = {row["name"]: row for row in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    every = {row["name"]: row for row in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    rows = {name: row for name, row in every.items() if " floor: " not in name}
     assert set(rows) == {"hf-eager-fp32", "kiln-ort-fp32", "kiln-ort-int8", "kiln-ort-int4"}
     assert all(len(row["runs_ms"]) == 2 and min(row["runs_ms"]) <= row["median_ms"] <= max(row["runs_ms"]) for row in rows.values())
+    # Each engine's read floor beside it, computed (no runs), below what the engine took.
+    floors = {name.split(" floor: ")[0]: row for name, row in every.items() if " floor: " in name}
+    assert set(floors) == {"fp32", "int8", "int4"} and all(not row["runs_ms"] and 0 < row["median_ms"] < rows[f"kiln-ort-{p}"]["median_ms"] for p, row in floors.items())
     assert rows["hf-eager-fp32"]["speedup_vs_hf"] == 1.0
 
 
@@ -506,7 +510,8 @@ def test_kiln_bench_times_tensorrts_int8_form_beside_onnx_runtimes_and_names_an_
     args = ["--shape", "tiny", "--runs", "1", "--work", str(tmp_path / "work"), "--json", str(tmp_path / "bench.json")]
     result = kiln("bench", "--precisions", "int8,int8-qdq", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert {row["name"] for row in json.loads((tmp_path / "bench.json").read_text())["rows"]} == {"hf-eager-fp32", "kiln-ort-int8", "kiln-ort-int8-qdq"}
+    timed = {row["name"] for row in json.loads((tmp_path / "bench.json").read_text())["rows"] if row["runs_ms"]}
+    assert timed == {"hf-eager-fp32", "kiln-ort-int8", "kiln-ort-int8-qdq"}
     calibrated = {load_engine_dir(d).manifest.lineage.calibration_digest is not None for d in (tmp_path / "work" / "tiny" / "engines").iterdir() if d.is_dir()}
     assert calibrated == {True, False}  # the Q/DQ engine was calibrated, the blocks engine not
     unknown = kiln("bench", "--precisions", "int9", *args, cwd=tmp_path)

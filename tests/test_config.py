@@ -79,8 +79,8 @@ def test_a_serving_gate_scenario_past_the_profiles_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("build:\n  backend: torch-cuda\n", "build.backend torch-cuda builds fp32, fp16, bf16, fp8; precision.build has int8 (auto builds int8 on ONNX Runtime)"),
-        ("pool:\n  targets:\n    gpu: {backend: torch-cuda, precisions: [fp16, int8]}\n", "pool.targets.gpu.backend torch-cuda builds fp32, fp16, bf16, fp8; pool.targets.gpu.precisions has int8"),
+        ("build:\n  backend: torch-cuda\n", "build.backend torch-cuda builds fp32, fp16, bf16, fp8, int4; precision.build has int8 (auto builds int8 on ONNX Runtime)"),
+        ("pool:\n  targets:\n    gpu: {backend: torch-cuda, precisions: [fp16, int8]}\n", "pool.targets.gpu.backend torch-cuda builds fp32, fp16, bf16, fp8, int4; pool.targets.gpu.precisions has int8"),
     ],
 )
 def test_torch_cuda_asked_for_int8_is_a_config_error_before_any_work(tmp_path, text, message):
@@ -119,7 +119,7 @@ def test_bf16_is_a_precision_of_torch_cuda_and_auto_with_limits_of_its_own(tmp_p
 
 
 def test_int4_asked_of_tensorrt_and_a_block_size_that_is_no_power_of_two_are_named(tmp_path):
-    with pytest.raises(ConfigError, match=re.escape("build.backend tensorrt cannot build int4 (precision.build): those engines run ONNX Runtime's MatMulNBits")):
+    with pytest.raises(ConfigError, match=re.escape("build.backend tensorrt cannot build int4 (precision.build): those engines run ONNX Runtime's MatMulNBits or torch-cuda's 4-bit kernel")):
         load_params(write(tmp_path, "build:\n  backend: tensorrt\nprecision:\n  build: [fp16, int4]\n"))
     with pytest.raises(ConfigError, match="block_size must be a power of two"):
         load_params(write(tmp_path, "precision:\n  int4: {block_size: 48}\n"))
@@ -127,7 +127,7 @@ def test_int4_asked_of_tensorrt_and_a_block_size_that_is_no_power_of_two_are_nam
 
 
 def test_int8_blocks_asked_of_tensorrt_are_named_with_the_scheme_tensorrt_builds(tmp_path):
-    with pytest.raises(ConfigError, match=re.escape("build.backend tensorrt cannot build int8 (precision.build): those engines run ONNX Runtime's MatMulNBits (auto builds them on ONNX Runtime); TensorRT builds int8 from Q/DQ: precision.int8.scheme qdq or auto")):
+    with pytest.raises(ConfigError, match=re.escape("build.backend tensorrt cannot build int8 (precision.build): those engines run ONNX Runtime's MatMulNBits or torch-cuda's 4-bit kernel (auto builds them); TensorRT builds int8 from Q/DQ: precision.int8.scheme qdq or auto")):
         load_params(write(tmp_path, "build:\n  backend: tensorrt\nprecision:\n  build: [fp16, int8]\n  int8: {scheme: blocks}\n"))
     assert load_params(write(tmp_path, "build:\n  backend: tensorrt\nprecision:\n  build: [fp16, int8]\n")).precision.int8.scheme_for("tensorrt") == "qdq"
     with pytest.raises(ConfigError, match="block_size must be a power of two"):

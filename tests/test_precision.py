@@ -318,13 +318,15 @@ def test_rescoring_a_float_lm_head_is_refused_naming_both_settings():
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "torch-cuda"])
-def test_int4_is_built_by_onnx_runtime_alone_and_another_backend_is_refused_by_name(backend):
+def test_an_int4_matmulnbits_graph_is_built_by_onnx_runtime_alone_and_another_backend_is_refused_by_name(int4_graph, backend):
+    """The precision stage's int4 graph is ONNX Runtime's operators; torch-cuda makes its int4
+    engines from the model (tests/test_torch_cuda.py), TensorRT none."""
     from components.build import resolve_backend
     from components.errors import BuildError
 
-    assert resolve_backend("auto", "int4") == "onnxruntime"
+    assert int4_graph.ort_only and resolve_backend("auto", "int4", ort_only=int4_graph.ort_only) == "onnxruntime"
     with pytest.raises(BuildError, match=f"int4 engines run ONNX Runtime's MatMulNBits; build.backend {backend} cannot build them"):
-        resolve_backend(backend, "int4")
+        resolve_backend(backend, "int4", ort_only=int4_graph.ort_only)
 
 
 def int8_engine(name, settings, calibration, project, params, tiny_model, exported, data_version):

@@ -897,16 +897,19 @@ def test_an_fp8_engine_holds_e4m3_projections_and_is_the_model_within_fp8s_round
 
 
 @needs_cuda
-def test_on_the_gpu_an_fp8_engine_keeps_the_models_greedy_tokens_but_for_near_ties(family_dirs, tmp_path):
-    """Built on an FP8 GPU (sm_89+): batched generation (the compiled step's FP8 GEMMs), one
-    row at a time, and kiln serve's step-wise path agree with the model but for near-ties."""
+@pytest.mark.parametrize("precision", ["fp8", "int4"])
+def test_on_the_gpu_fp8_and_int4_engines_keep_the_models_greedy_tokens_but_for_near_ties(family_dirs, int4_model_dir, tmp_path, precision):
+    """Built on the GPU (fp8: sm_89+): batched generation (the compiled step's FP8 GEMMs or
+    int4 kernel), one row at a time, and kiln serve's step-wise path agree with the model but
+    for near-ties."""
     from components.build.torch_cuda import FP8_CAPABILITY
     from components.runtime import open_engine
 
-    if torch.cuda.get_device_capability() < FP8_CAPABILITY:
+    if precision == "fp8" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
         pytest.skip(f"{torch.cuda.get_device_name()} has no FP8 tensor cores")
-    engine_dir = family_engine(family_dirs["llama"], tmp_path / "engines", "fp8", device="cuda")
-    reference = hf_reference(family_dirs["llama"])
+    model_dir = family_dirs["llama"] if precision == "fp8" else int4_model_dir
+    engine_dir = family_engine(model_dir, tmp_path / "engines", precision, device="cuda")
+    reference = hf_reference(model_dir)
     theirs = hf_greedy_tokens(reference, FAMILY_PROMPTS, 32)
     with open_engine(engine_dir) as engine, torch.no_grad():
         batched = engine.generate(FAMILY_PROMPTS, Sampling(max_new_tokens=32, stop_at_eos=False))
@@ -914,3 +917,85 @@ def test_on_the_gpu_an_fp8_engine_keeps_the_models_greedy_tokens_but_for_near_ti
         stepwise = greedy_step_by_step(engine, FAMILY_PROMPTS, 32)
     for ours in (batched, one_row, stepwise):
         assert first_divergence_margins(reference, FAMILY_PROMPTS, ours, theirs) < 2 * engine_dir.manifest.parity.tolerance
+
+
+# ---------------------------------------------------------------------------- int4
+
+
+def test_int4_groups_span_each_groups_range_in_16_codes_and_round_trip_within_half_a_step():
+    """Asymmetric groups of 128 inputs: w ≈ (code - 8) × scale + zero, the codes 0..15 spanning
+    each group's min..max, so every weight is within half a step (plus bf16's rounding of the
+    scale and zero point) of its value, and a group of small weights keeps its own steps."""
+    from components.runtime.static_kv import INT4_GROUP, int4_groups
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 4 * INT4_GROUP)
+    w[3, :INT4_GROUP] *= 1e-3
+    codes, scales_zeros = int4_groups(w)
+    assert codes.dtype == torch.int32 and codes.shape == w.shape and 0 <= codes.min() and codes.max() <= 15
+    assert scales_zeros.shape == (4, 16, 2) and scales_zeros.dtype == torch.bfloat16
+    scale, zero = (scales_zeros[..., i].float().t().repeat_interleave(INT4_GROUP, 1) for i in (0, 1))
+    back = (codes.float() - 8) * scale + zero
+    assert ((back - w).abs() <= 0.5 * scale * 1.02 + 1e-6).all()
+    assert (back - w)[3, :INT4_GROUP].abs().max() < 1e-3 * w[3, :INT4_GROUP].abs().max() * 1e3 / 15
+
+
+def test_int4_linear_multiplies_by_the_weight_its_codes_stand_for():
+    from components.runtime.static_kv import INT4_GROUP, int4_groups, int4_linear, int4_packed
+
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(3, 2 * INT4_GROUP, dtype=torch.bfloat16), torch.randn(48, 2 * INT4_GROUP), torch.randn(48, dtype=torch.bfloat16)
+    codes, scales_zeros = int4_groups(w)
+    scale, zero = (scales_zeros[..., i].float().t().repeat_interleave(INT4_GROUP, 1) for i in (0, 1))
+    expected = x.float() @ ((codes.float() - 8) * scale + zero).t() + bias.float()
+    ours = int4_linear(x, int4_packed(codes), scales_zeros, bias)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def int4_model_dir(tmp_path_factory):
+    """A Llama of hidden size 128: int4's groups of 128 need every projection's input width a multiple."""
+    from benchmarks.generation import benchmark_model_dir
+
+    shape = {"family": "llama", "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 256, "vocab_size": 300, "max_position_embeddings": 256, "initializer_range": 0.1}  # fmt: skip
+    return benchmark_model_dir(tmp_path_factory.mktemp("int4") / "model", shape)
+
+
+def test_an_int4_engine_holds_packed_4_bit_projections_and_is_the_model_within_int4s_rounding(int4_model_dir, tmp_path):
+    from components.build.torch_cuda import PARITY_TOLERANCE
+    from components.runtime import open_engine
+
+    engine_dir = family_engine(int4_model_dir, tmp_path / "engines", "int4")
+    bf16_dir = family_engine(int4_model_dir, tmp_path / "engines", "bf16")
+    manifest = engine_dir.manifest
+    errors = [max(m.parity.prefill_max_abs_diff, m.parity.decode_max_abs_diff) for m in (bf16_dir.manifest, manifest)]
+    assert manifest.precision == "int4" and manifest.parity.tolerance == PARITY_TOLERANCE["int4"]
+    assert errors[0] < errors[1] < manifest.parity.tolerance
+    with open_engine(engine_dir) as engine:
+        weights = dict(engine.runner.model.named_parameters())
+        projections = sum(weights[n].numel() * weights[n].element_size() for n in ("w_qkv", "w_o", "w_gate_up", "w_down"))
+        with open_engine(bf16_dir) as dense:
+            dense_bytes = sum(p.numel() * p.element_size() for n, p in dense.runner.model.named_parameters() if n in ("w_qkv", "w_o", "w_gate_up", "w_down"))
+        assert projections == dense_bytes // 4  # 4 bits a weight against bf16's 16
+        assert engine.runner.fast_step is None and engine.runner.dtype == torch.bfloat16
+        reference = hf_reference(int4_model_dir)
+        tokens = engine.generate(FAMILY_PROMPTS, Sampling(max_new_tokens=8, stop_at_eos=False))
+    assert first_divergence_margins(reference, FAMILY_PROMPTS, tokens, hf_greedy_tokens(reference, FAMILY_PROMPTS, 8)) < 2 * manifest.parity.tolerance
+
+
+def test_int4_is_refused_for_a_model_whose_widths_are_not_multiples_of_its_groups(family_dirs, tmp_path):
+    with pytest.raises(BuildError, match="int4 engines quantize each projection's inputs in groups of 128; this model's hidden_size 64 and num_attention_heads × head_dim 64 are not multiples of 128 \\(build bf16 or fp8\\)"):
+        family_engine(family_dirs["llama"], tmp_path / "engines", "int4")
+
+
+def test_int4_is_torch_cudas_on_a_gpu_onnx_runtimes_elsewhere_and_never_tensorrts():
+    from components.build import resolve_backend
+
+    assert resolve_backend("auto", "int4") == ("torch-cuda" if CUDA else "onnxruntime")
+    assert resolve_backend("onnxruntime", "int4") == "onnxruntime" and resolve_backend("auto", "int4", ort_only=True) == "onnxruntime"
+    with pytest.raises(BuildError, match="int4 engines run ONNX Runtime's MatMulNBits or torch-cuda's 4-bit kernel; build.backend tensorrt cannot build them"):
+        resolve_backend("tensorrt", "int4")
+    with pytest.raises(BuildError, match="int4 engines run ONNX Runtime's MatMulNBits; build.backend torch-cuda cannot build them"):
+        resolve_backend("torch-cuda", "int4", ort_only=True)  # ONNX Runtime's graph, once made

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.build.packaging import STAGE_VERSION
-from components.config import NOT_TORCH_CUDA, ORT_ONLY_PRECISIONS, TORCH_CUDA_ONLY_PRECISIONS, TORCH_CUDA_PRECISIONS, BuildParams
+from components.config import NOT_TENSORRT_PRECISIONS, NOT_TORCH_CUDA, TORCH_CUDA_ONLY_PRECISIONS, TORCH_CUDA_PRECISIONS, BuildParams
 from components.data import DataVersion
 from components.engine_dir import EngineDir, Lineage
 from components.errors import BackendUnavailable, BuildError
@@ -34,12 +34,13 @@ def timing_cache_of(params: BuildParams, project_root: Path) -> Path:
 def resolve_backend(requested: str, precision: str = "fp32", ort_only: bool = False) -> str:
     """The backend that builds `precision`. `auto` is TensorRT where it imports and an NVIDIA
     GPU is present; else torch-cuda where torch sees a CUDA GPU, for the precisions it has
-    (fp32, fp16, bf16; int8 stays on ONNX Runtime); else ONNX Runtime. int4, and graphs of ONNX
-    Runtime's own operators (`ort_only`: int8 blocks), are ONNX Runtime's alone; bf16 is
-    torch-cuda's alone, with TensorRT present too."""
+    (fp32, fp16, bf16, fp8, int4; int8 stays on ONNX Runtime); else ONNX Runtime. Graphs of
+    ONNX Runtime's own operators (`ort_only`: int4's MatMulNBits, int8 blocks) are ONNX
+    Runtime's alone; int4 is torch-cuda's on a GPU (TensorRT has no 4-bit form), else ONNX
+    Runtime's; bf16 and fp8 are torch-cuda's alone, with TensorRT present too."""
     from components.runtime.availability import tensorrt_ready, torch_cuda_ready
 
-    if ort_only or precision in ORT_ONLY_PRECISIONS:
+    if ort_only:
         if requested not in ("auto", "onnxruntime"):
             raise BuildError(f"{precision} engines run ONNX Runtime's MatMulNBits; build.backend {requested} cannot build them (use auto or onnxruntime)")
         return "onnxruntime"
@@ -49,6 +50,11 @@ def resolve_backend(requested: str, precision: str = "fp32", ort_only: bool = Fa
         if not (answer := torch_cuda_ready())[0]:
             raise BackendUnavailable(f"{precision} engines are built by torch-cuda alone, but {answer[1]}")
         return "torch-cuda"
+    if precision in NOT_TENSORRT_PRECISIONS:
+        if requested == "tensorrt":
+            raise BuildError(f"{precision} engines run ONNX Runtime's MatMulNBits or torch-cuda's 4-bit kernel; build.backend tensorrt cannot build them (use auto, onnxruntime or torch-cuda)")
+        if requested == "auto":
+            return "torch-cuda" if torch_cuda_ready()[0] else "onnxruntime"
     if requested == "auto":
         if tensorrt_ready()[0]:
             return "tensorrt"

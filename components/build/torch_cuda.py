@@ -44,18 +44,19 @@ ENGINE_FILE = "model.pt2"
 PROGRAM_INPUTS = ["input_ids", "positions", "attn_bias", "picked", "k_cache", "v_cache"]
 # bf16 measured no faster than fp16 and less exact (docs/performance.md#on-the-gpu), but
 # it is the dtype Llama 3 and Qwen2.5 are published in: their own rounding, and fp16's range.
-# The dtype each precision computes in; fp8 keeps its projections' weights in e4m3 and
-# computes the rest in bf16 (the FP8 GEMM's row-wise scaling writes bf16).
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
-WEIGHT_FORMAT = {"fp8": "fp8"}  # the rest: dense weights in the precision's dtype
+# The dtype each precision computes in; fp8 and int4 keep their projections' weights in e4m3
+# or 4-bit codes and compute the rest in bf16 (what the FP8 GEMM and the int4 kernel write).
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16", "int4": "bfloat16"}
+WEIGHT_FORMAT = {"fp8": "fp8", "int4": "int4"}  # the rest: dense weights in the precision's dtype
 SOURCE_PRECISION = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # a model's saved dtype, as a precision
 # Largest logit difference from the PyTorch model that a build accepts: fp32 differs by
 # summation order only, fp16 by its rounding (3.3e-3 measured on the H200 for GPT-2 small),
 # bf16 by 8x fp16's (8 significant bits to 11), so 8x its tolerance; fp8 (e4m3: 4
 # significant bits, weights and activations) 16x bf16's: a bound that catches a wrong scale
-# or layout, while the quality gate holds fp8 to int8's limits. A model saved in bf16
-# computes in bf16 itself, and its tolerance is added (parity_tolerance).
-PARITY_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 0.4, "fp8": 6.4}
+# or layout, while the quality gate holds fp8 to int8's limits; int4 (16 levels across each
+# group of 128 weights) twice fp8's, the gate holding it to int4's limits. A model saved in
+# bf16 computes in bf16 itself, and its tolerance is added (parity_tolerance).
+PARITY_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 0.4, "fp8": 6.4, "int4": 12.8}
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores; torch._scaled_mm needs them
 
 
@@ -100,8 +101,8 @@ def torch_engine_from_model(
     def fill(staging: Path) -> None:
         hf = hf_model(model_dir)
         _check_full_attention(hf.config, profiles)
-        if precision == "fp8":
-            _check_fp8_family(hf.config)
+        if precision in WEIGHT_FORMAT:
+            _check_quantizable(hf.config, precision)
         program, parity, sized = _export_checked(hf, precision, profiles, device, memory_utilization)
         _drop_stack_traces(program)
         torch.export.save(program, staging / ENGINE_FILE)
@@ -123,9 +124,21 @@ def _check_fp8_gpu(capability: tuple[int, int], name: str) -> None:
         )
 
 
-def _check_fp8_family(config) -> None:
+def _check_quantizable(config, precision: str) -> None:
+    """fp8 and int4 programs are the Llama family's; int4's kernel takes inputs in groups of
+    128 (INT4_GROUP) and outputs in multiples of 8."""
+    from components.runtime.static_kv import INT4_GROUP, LlamaShape
+
     if config.model_type == "gpt2":
-        raise BuildError("fp8 engines are built for the Llama family (Llama, Qwen2, Mistral); GPT-2 builds fp32, fp16 or bf16")
+        raise BuildError(f"{precision} engines are built for the Llama family (Llama, Qwen2, Mistral); GPT-2 builds fp32, fp16 or bf16")
+    if precision != "int4":
+        return
+    shape = LlamaShape.from_hf_config(config)
+    widths = {"hidden_size": shape.hidden_size, "num_attention_heads × head_dim": shape.num_heads * shape.head_dim, "intermediate_size": shape.intermediate_size}
+    odd = [f"{name} {width}" for name, width in widths.items() if width % INT4_GROUP]
+    if odd:
+        verb = "is not a multiple" if len(odd) == 1 else "are not multiples"
+        raise BuildError(f"int4 engines quantize each projection's inputs in groups of {INT4_GROUP}; this model's {' and '.join(odd)} {verb} of {INT4_GROUP} (build bf16 or fp8)")
 
 
 def _drop_stack_traces(program: torch.export.ExportedProgram) -> None:

@@ -315,7 +315,9 @@ def rotary_frequencies(config) -> tuple[Tensor, float]:
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite magnitude
-WEIGHT_FORMATS = ("dense", "fp8")
+WEIGHT_FORMATS = ("dense", "fp8", "int4")
+INT4_GROUP = 128  # weights per scale and zero point along the input
+INT4_INNER_K_TILES = 8  # the CUDA kernel's packed layout (tinygemm, as gpt-fast and torchao pack it)
 
 
 def fp8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -333,6 +335,39 @@ def fp8_linear(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None = None
     xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
     return out if bias is None else out + bias
+
+
+def int4_groups(w: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """`w` (N, K) as 4-bit codes (N, K) int32, with a bf16 scale and zero point per `group`
+    weights of a row, (K / group, N, 2): w ≈ (code - 8) × scale + zero, the codes spanning each
+    group's range (asymmetric). The scales are rounded to bf16 before the codes are chosen,
+    so the codes are the best for the scales the kernel reads."""
+    N, K = w.shape
+    groups = w.float().reshape(N, K // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low).clamp(min=1e-6) / 15).to(torch.bfloat16).float()
+    zero = (low + 8 * scale).to(torch.bfloat16).float()
+    codes = ((groups - (zero - 8 * scale).unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.int32).reshape(N, K)
+    return codes, torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def int4_packed(codes: Tensor) -> Tensor:
+    """The codes in the layout of the int4 kernel of their device (CUDA's tinygemm, or CPU's)."""
+    if codes.device.type == "cuda":
+        return torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), INT4_INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_INNER_K_TILES)
+
+
+def int4_linear(x: Tensor, packed: Tensor, scales_zeros: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (M, K) bf16 @ the packed 4-bit weight: weight-only, dequantized in the kernel."""
+    mm = torch.ops.aten._weight_int4pack_mm if x.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
+    out = mm(x, packed, INT4_GROUP, scales_zeros)
+    return out if bias is None else out + bias
+
+
+def _int4_kernel_form(w: Tensor) -> tuple[Tensor, Tensor]:
+    codes, scales_zeros = int4_groups(w)
+    return int4_packed(codes), scales_zeros
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -359,8 +394,9 @@ class StaticKVLlama(nn.Module):
     the cache is read as it is), "sdpa" (SDPA's enable_gqa) or "repeat" (repeat_interleave).
 
     `weights="fp8"` keeps the four projections of every layer in e4m3 with a scale per output
-    row (`fp8_rows`), multiplied by `fp8_linear`; embeddings, norms and the lm_head stay in
-    `dtype` (bf16: the FP8 GEMM's row-wise scaling writes bf16).
+    row (`fp8_rows`), multiplied by `fp8_linear`; `weights="int4"` in 4-bit codes with a scale
+    and zero point per 128 inputs (`int4_groups`), multiplied by `int4_linear`. Embeddings,
+    norms and the lm_head stay in `dtype` (bf16: what both kernels take and write).
     """
 
     GQA_MODES = ("fold", "sdpa", "repeat")
@@ -396,7 +432,8 @@ class StaticKVLlama(nn.Module):
             layer by layer on the device, so no stacked copy in `dtype` is ever made)."""
             if weights == "dense":
                 return param(stacked(*suffixes)), None
-            rows = [fp8_rows(torch.cat([_on(device, dtype, state[f"layers.{i}.{s}"]) for s in suffixes])) for i in range(L)]
+            convert = fp8_rows if weights == "fp8" else _int4_kernel_form
+            rows = [convert(torch.cat([_on(device, dtype, state[f"layers.{i}.{s}"]) for s in suffixes])) for i in range(L)]
             frozen = (nn.Parameter(torch.stack(t), requires_grad=False) for t in zip(*rows, strict=True))
             return next(frozen), next(frozen)
 
@@ -438,9 +475,12 @@ class StaticKVLlama(nn.Module):
 
     @staticmethod
     def _project(x: Tensor, weight: Tensor, scale: Tensor | None, layer: int, bias: Tensor | None = None) -> Tensor:
-        """x through one layer's projection: dense, or FP8 with its row scales."""
+        """x through one layer's projection: dense, FP8 with its row scales, or int4 packed
+        with its group scales and zero points."""
         bias = None if bias is None else bias[layer]
-        return F.linear(x, weight[layer], bias) if scale is None else fp8_linear(x, weight[layer], scale[layer], bias)
+        if scale is None:
+            return F.linear(x, weight[layer], bias)
+        return (fp8_linear if weight.dtype == FP8 else int4_linear)(x, weight[layer], scale[layer], bias)
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
         """q (B, P, H, D), keys/values (B, KVH, A, D) → (B, P, H * D); query head h reads KV
@@ -1280,6 +1320,9 @@ __all__ = [
     "bytes_of_weights",
     "fp8_linear",
     "fp8_rows",
+    "int4_groups",
+    "int4_linear",
+    "int4_packed",
     "causal_bias",
     "left_padded_positions",
     "new_cache",

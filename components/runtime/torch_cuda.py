@@ -296,8 +296,8 @@ def _triton_step(program, shape, max_context: int):
         from components.runtime.triton_decode import triton_decode_step
     except ImportError:
         return None
-    if any(p.dtype.itemsize == 1 for p in program.parameters()):
-        return None  # the Triton kernels read 16- and 32-bit weights: FP8 takes the compiled step
+    if "s_qkv" in dict(program.named_parameters()):
+        return None  # the Triton kernels read 16- and 32-bit weights: fp8 and int4 take the compiled step
     # Buffers too: the Llama family's rotary frequencies are one.
     return triton_decode_step(dict(program.named_parameters()) | dict(program.named_buffers()), shape, max_context)
 
