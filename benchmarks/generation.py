@@ -21,6 +21,7 @@ import numpy as np
 from components.config import TORCH_CUDA_ONLY_PRECISIONS, Precision
 from components.errors import KilnError
 from components.progress import stage_progress
+from components.read_floor import ReadFloor, memory_bandwidth, onnx_read_bytes
 
 # Each shape is its family's transformers config, with the family named.
 GPT2_SMALL = {"family": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
@@ -277,57 +278,12 @@ def benchmark_rows(
     return rows + [onnx_floor_row(rows, p, path, bandwidth, setup) for p, path in engines.items()]
 
 
-def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """This machine's memory bandwidth in bytes/s, as a copy on every core reaches it (each
-    byte read once and written once; the best of `repeats`): what a decode step that streams
-    its weights can hope for."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    source = np.ones(int(gib * 2**30), np.uint8)
-    target = np.empty_like(source)
-    threads = os.cpu_count() or 1
-    bounds = np.linspace(0, source.size, threads + 1, dtype=np.int64)
-
-    def copy(i: int) -> None:  # numpy lets go of the GIL for a copy this large
-        np.copyto(target[bounds[i] : bounds[i + 1]], source[bounds[i] : bounds[i + 1]])
-
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats + 1):  # the first touches every page
-            start = time.perf_counter()
-            list(pool.map(copy, range(threads)))
-            best = min(best, time.perf_counter() - start)
-    return 2 * source.size / best
-
-
-def onnx_read_bytes(onnx_path: Path) -> int:
-    """Bytes of weights a decode step reads from an ONNX graph: every initializer but the
-    tables only looked up (consumed by Gather alone: token and position embeddings)."""
-    import onnx
-    from onnx.helper import tensor_dtype_to_np_dtype
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    consumers: dict[str, set[str]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, set()).add(node.op_type)
-    return sum(
-        int(np.prod(t.dims, dtype=np.int64)) * tensor_dtype_to_np_dtype(t.data_type).itemsize
-        for t in model.graph.initializer
-        if consumers.get(t.name, set()) != {"Gather"}
-    )
-
-
-def read_floor_row(rows: list[BenchRow], baseline: str, precision: str, kiln: str, step_bytes: float, bandwidth: float, setup: BenchSetup, unit: str) -> BenchRow:
-    """The generation's floor: `setup.new_tokens` steps each reading `step_bytes` at
-    `bandwidth` (a row computed, not timed), named with the `kiln` row's ratio to it."""
-    floor_ms = setup.new_tokens * step_bytes / bandwidth * 1000.0
+def read_floor_row(rows: list[BenchRow], baseline: str, precision: str, kiln: str, floor: ReadFloor, setup: BenchSetup) -> BenchRow:
+    """The generation's floor (`setup.new_tokens` steps, a row computed, not timed), named with
+    the `kiln` row's ratio to it."""
+    floor_ms = floor.ms(setup.new_tokens)
     ours, peer = (next(row for row in rows if row.name == name) for name in (kiln, baseline))
-    size = f"{step_bytes / 1e9:.2f} GB" if step_bytes >= 1e8 else f"{step_bytes / 1e6:.1f} MB"
-    speed = f"{bandwidth / 1e12:.2f} TB/s" if bandwidth >= 1e12 else f"{bandwidth / 1e9:.0f} GB/s"
-    name = f"{precision} floor: {size}/{unit} @ {speed}, kiln {ours.median_ms / floor_ms:.2f}x"
-    return BenchRow(name, floor_ms, floor_ms / setup.new_tokens, peer.median_ms / floor_ms, ())
+    return BenchRow(f"{precision} floor: {floor.text()}, kiln {ours.median_ms / floor_ms:.2f}x", floor_ms, floor_ms / setup.new_tokens, peer.median_ms / floor_ms, ())
 
 
 def onnx_floor_row(rows: list[BenchRow], precision: str, engine_path: Path, bandwidth: float, setup: BenchSetup) -> BenchRow:
@@ -336,4 +292,4 @@ def onnx_floor_row(rows: list[BenchRow], precision: str, engine_path: Path, band
 
     engine = load_engine_dir(engine_path)
     step = onnx_read_bytes(engine.engine_file) + engine.manifest.kv_bytes_per_token * (setup.prompt_tokens + setup.new_tokens / 2)
-    return read_floor_row(rows, "hf-eager-fp32", precision, f"kiln-ort-{precision}", step, bandwidth, setup, "token")
+    return read_floor_row(rows, "hf-eager-fp32", precision, f"kiln-ort-{precision}", ReadFloor(step, bandwidth), setup)

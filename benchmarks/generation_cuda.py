@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.generation import PUBLISHED_DTYPE, SHAPES, BenchRow, BenchSetup, random_prompts, read_floor_row, rows_from_samples, saved_with_tokenizer, time_interleaved
+from components.read_floor import ReadFloor, card_bandwidth, program_read_bytes
 
 BATCHES = (1, 16, 64)
 MAX_CONTEXT = 1024  # the engines' cache: enough for 32 + 128, and GPT-2's whole context
@@ -64,7 +65,7 @@ def cuda_rows(
     precisions = precisions or (DTYPE_NAMES[dtype],)
     model_dir = gpu_model_dir(work / shape / f"model-{dtype}", SHAPES[shape], dtype, setup.seed)
     paths = {p: torch_cuda_engine(model_dir, work / shape / "engines", max(batches), setup, p) for p in precisions}
-    bandwidth = copy_bandwidth()
+    bandwidth = card_bandwidth()
     prompts = random_prompts(max(batches), setup.prompt_tokens, SHAPES[shape]["vocab_size"], setup.seed)
     hf = _hf_on_gpu(model_dir, dtype)
     peer = StaticCacheLoop(hf)
@@ -115,37 +116,12 @@ def gpu_model_dir(directory: Path, shape: dict, dtype: str, seed: int) -> Path:
     return directory
 
 
-def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
-    """This card's memory bandwidth in bytes/s, as a device-to-device copy reaches it (each
-    byte read once and written once): what a step that streams its weights can hope for."""
-    import torch
-
-    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    target.copy_(source)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        target.copy_(source)
-    end.record()
-    end.synchronize()
-    return 2 * source.numel() * repeats / (start.elapsed_time(end) / 1000.0)
-
-
-def weight_read_bytes(program) -> int:
-    """Bytes of weights a step reads: every parameter but the tables only looked up (GPT-2's
-    positions; the token embeddings where a separate lm_head is the output layer)."""
-    params = dict(program.named_parameters())
-    lookups = {"wpe"} | ({"embed"} if params.get("lm_head") is not None else set())
-    return sum(p.numel() * p.element_size() for name, p in params.items() if name not in lookups)
-
-
 def floor_row(rows: list[BenchRow], baseline: str, precision: str, engine, batch: int, bandwidth: float, setup: BenchSetup) -> BenchRow:
     """The generation's floor for `precision` at `batch`: each step reads the weights once and
     every row's cache up to its mean length, at `bandwidth`; named with kiln's ratio to it."""
     kv_token = engine.manifest.kv_bytes_per_token or 0
-    step = weight_read_bytes(engine.runner.model) + batch * kv_token * (setup.prompt_tokens + setup.new_tokens / 2)
-    return read_floor_row(rows, baseline, precision, f"kiln-torch-cuda-{precision}", step, bandwidth, setup, "step")
+    step = program_read_bytes(engine.runner.model) + batch * kv_token * (setup.prompt_tokens + setup.new_tokens / 2)
+    return read_floor_row(rows, baseline, precision, f"kiln-torch-cuda-{precision}", ReadFloor(step, bandwidth), setup)
 
 
 def _failing(candidates: dict[str, Callable[[], None]], name: str) -> BenchRow | None:

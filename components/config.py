@@ -506,7 +506,9 @@ class LatencyGateParams(_Section):
     runs: int = Field(10, ge=2)
     """Timed generations."""
     max_p95_ms: float = Field(500.0, gt=0)
-    """Most the p95 of a generation may take, in milliseconds (catches a broken build)."""
+    """Most the p95 of a generation may take, in milliseconds (catches a broken build), unless `max_p95_over_floor` allows more."""
+    max_p95_over_floor: float | None = Field(6.0, gt=1)
+    """Or this many times the generation's read floor (the bytes each step reads at this machine's measured bandwidth), whichever is larger: the budget that scales with the model. null: max_p95_ms alone."""
 
 
 class ServingScenario(_Section):

@@ -416,7 +416,35 @@ def latency_gate(
             advance(1, "")
     p50, p95 = (float(np.percentile(samples, q)) for q in (50, 95))
     measured = {"p50_ms": p50, "p95_ms": p95, "ms_per_token": p50 / params.new_tokens, "new_tokens": float(params.new_tokens)}
-    return GateResult("latency", p95 <= params.max_p95_ms, measured, {"max_p95_ms": params.max_p95_ms}, tuple(samples))
+    limit, budget = latency_budget(engine, params)
+    if budget.floor_ms is not None:
+        measured |= {"read_floor_ms": budget.floor_ms, "p95_over_floor": p95 / budget.floor_ms}
+    return GateResult("latency", p95 <= limit, measured, {"max_p95_ms": limit}, tuple(samples), {"budget": budget.text})
+
+
+@dataclass(frozen=True)
+class Budget:
+    text: str
+    floor_ms: float | None = None
+
+
+def latency_budget(engine: Engine, params: LatencyGateParams) -> tuple[float, Budget]:
+    """The p95 limit: `max_p95_ms`, or `max_p95_over_floor` times the generation's read floor
+    where that is larger (a 1B model's floor alone is seconds on a CPU); and how it was set."""
+    from components.read_floor import read_floor
+
+    absolute = f"{params.max_p95_ms:g} ms (gates.latency.max_p95_ms)"
+    if params.max_p95_over_floor is None:
+        return params.max_p95_ms, Budget(absolute)
+    floor = read_floor(engine, rows=1, mean_length=params.prompt_tokens + params.new_tokens / 2)
+    if floor is None:
+        return params.max_p95_ms, Budget(f"{absolute}; no read floor for a {engine.manifest.backend} engine")
+    floor_ms = floor.ms(params.new_tokens)
+    relative = params.max_p95_over_floor * floor_ms
+    scaled = f"{params.max_p95_over_floor:g} × the read floor of {floor_ms:.3g} ms ({floor.text()}) = {relative:.3g} ms (gates.latency.max_p95_over_floor)"
+    if relative > params.max_p95_ms:
+        return relative, Budget(f"{scaled}, above {absolute}", floor_ms)
+    return params.max_p95_ms, Budget(f"{absolute}, above {scaled}", floor_ms)
 
 
 def latency_prompt(windows: np.ndarray, length: int) -> list[int]:
@@ -459,7 +487,7 @@ def _latency_in_this_process(engine_path: Path, prompt: list[int], params: Laten
 
     with load_engine(engine_path, threads=threads) as engine:
         timed = latency_gate(engine, prompt, params)
-        return replace(timed, conditions=engine.runtime_settings() | {"process": "its own, as kiln serve runs it"})
+        return replace(timed, conditions=timed.conditions | engine.runtime_settings() | {"process": "its own, as kiln serve runs it"})
 
 
 def write_report(report: GateReport, directory: Path) -> list[Path]:

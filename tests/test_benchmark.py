@@ -138,7 +138,8 @@ def test_the_gpu_floor_counts_the_weights_a_step_reads_and_each_rows_cache():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from benchmarks.generation import BenchRow, BenchSetup, TINY
-    from benchmarks.generation_cuda import floor_row, weight_read_bytes
+    from benchmarks.generation_cuda import floor_row
+    from components.read_floor import program_read_bytes
     from components.runtime.static_kv import static_model_from_hf
 
     llama = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300}
@@ -147,12 +148,12 @@ def test_the_gpu_floor_counts_the_weights_a_step_reads_and_each_rows_cache():
         bf16, fp8 = (static_model_from_hf(hf, dtype=torch.bfloat16, weights=w) for w in ("dense", "fp8"))
         embed = 300 * 64 * 2
         every = sum(p.numel() * 2 for p in bf16.parameters())
-        assert weight_read_bytes(bf16) == (every if tied else every - embed)
+        assert program_read_bytes(bf16) == (every if tied else every - embed)
         projections = sum(getattr(bf16, n).numel() for n in ("w_qkv", "w_o", "w_gate_up", "w_down"))
         scales = sum(getattr(fp8, n).numel() * 4 for n in ("s_qkv", "s_o", "s_gate_up", "s_down"))
-        assert weight_read_bytes(fp8) == weight_read_bytes(bf16) - projections + scales
+        assert program_read_bytes(fp8) == program_read_bytes(bf16) - projections + scales
     gpt2 = static_model_from_hf(AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **{k: v for k, v in TINY.items() if k != "family"})))
-    assert weight_read_bytes(gpt2) == sum(p.numel() * 4 for p in gpt2.parameters()) - gpt2.wpe.numel() * 4
+    assert program_read_bytes(gpt2) == sum(p.numel() * 4 for p in gpt2.parameters()) - gpt2.wpe.numel() * 4
 
     class Engine:  # what floor_row reads of a loaded engine
         manifest = type("Manifest", (), {"kv_bytes_per_token": 1000})()
@@ -161,7 +162,7 @@ def test_the_gpu_floor_counts_the_weights_a_step_reads_and_each_rows_cache():
     setup = BenchSetup(prompt_tokens=32, new_tokens=128)
     rows = [BenchRow("hf-static-compile-fp16", 100.0, 100 / 128, 1.0, ()), BenchRow("kiln-torch-cuda-fp16", 50.0, 50 / 128, 2.0, ())]
     row = floor_row(rows, "hf-static-compile-fp16", "fp16", Engine(), 16, 1e12, setup)
-    step = weight_read_bytes(gpt2) + 16 * 1000 * (32 + 64)
+    step = program_read_bytes(gpt2) + 16 * 1000 * (32 + 64)
     assert row.median_ms == pytest.approx(128 * step / 1e12 * 1000) and row.speedup_vs_hf == pytest.approx(100.0 / row.median_ms)
     assert row.name == f"fp16 floor: {step / 1e6:.1f} MB/step @ 1.00 TB/s, kiln {50.0 / row.median_ms:.2f}x"
 
@@ -173,6 +174,7 @@ def test_the_cpu_floor_reads_every_weight_but_the_looked_up_tables_at_the_measur
     import onnx
 
     from components.engine_dir import load_engine_dir
+    from components.read_floor import memory_bandwidth, onnx_read_bytes
 
     setup = bm.BenchSetup(calibration_prompts=2)
     _, engines = bm.benchmark_engines(tmp_path, ["fp32", "int8"], setup, TINY)
@@ -181,7 +183,7 @@ def test_the_cpu_floor_reads_every_weight_but_the_looked_up_tables_at_the_measur
     sizes = {t.name: onnx.numpy_helper.to_array(t).nbytes for t in graph.initializer}
     gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
     tables = {name for name in gathered if name in sizes and all(n.op_type == "Gather" for n in graph.node if name in n.input)}
-    assert tables and bm.onnx_read_bytes(fp32.engine_file) == sum(sizes.values()) - sum(sizes[t] for t in tables)
-    int8 = bm.onnx_read_bytes(load_engine_dir(engines["int8"]).engine_file)
-    assert int8 < 0.5 * bm.onnx_read_bytes(fp32.engine_file)
-    assert 1e8 < bm.memory_bandwidth(gib=0.05, repeats=2) < 1e13
+    assert tables and onnx_read_bytes(fp32.engine_file) == sum(sizes.values()) - sum(sizes[t] for t in tables)
+    int8 = onnx_read_bytes(load_engine_dir(engines["int8"]).engine_file)
+    assert int8 < 0.5 * onnx_read_bytes(fp32.engine_file)
+    assert 1e8 < memory_bandwidth(mib=50, repeats=2) < 1e13

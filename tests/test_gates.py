@@ -315,7 +315,7 @@ def test_the_latency_gate_times_full_generations_after_warm_up_and_reports_perce
     durations_ms = [10.0, 20.0, 30.0, 40.0, 50.0]  # of the timed runs; the warm-up is not timed
     ticks = iter([t for d in durations_ms for t in (1.0, 1.0 + d / 1000.0)])
     eos_early = EosAfter(engine, after=1)
-    params = LatencyGateParams(prompt_tokens=3, new_tokens=4, warmup=1, runs=5, max_p95_ms=45.0)
+    params = LatencyGateParams(prompt_tokens=3, new_tokens=4, warmup=1, runs=5, max_p95_ms=45.0, max_p95_over_floor=None)
     result = latency_gate(eos_early, [5, 17, 42], params, clock=lambda: next(ticks))
     assert eos_early.calls == 6 * 4  # prefill and three decode steps per generation, EOS notwithstanding
     assert result.samples_ms == pytest.approx((10.0, 20.0, 30.0, 40.0, 50.0))
@@ -378,6 +378,33 @@ def test_the_serving_gate_measures_each_scenario_through_the_scheduler_against_i
     assert not result.passed  # the busy scenario's 1 µs budget
     assert GateReport((result,)).failures() == [f"serving: busy.request_p99_ms {measured['busy.request_p99_ms']:.4g} (limit <= 0.001)"]
     assert limit_text("single.ttft_p95_ms", result.thresholds) == "<= 10000"
+
+
+def test_the_latency_budget_scales_with_the_read_floor_where_that_allows_more(engine, monkeypatch):
+    """max(max_p95_ms, max_p95_over_floor × the generation's read floor): on a machine whose
+    memory reads 1 MB/s the tiny engine's floor is seconds and sets the limit; on this one
+    the absolute budget does; either way the report says which and why."""
+    import components.read_floor
+    from components.read_floor import onnx_read_bytes
+
+    def gate(over_floor, ms_per_run: float = 10.0):
+        ticks = iter([t for i in range(4) for t in (i, i + ms_per_run / 1000.0)])
+        params = LatencyGateParams(prompt_tokens=3, new_tokens=4, warmup=0, runs=4, max_p95_ms=45.0, max_p95_over_floor=over_floor)
+        return latency_gate(engine, [5, 17, 42], params, clock=lambda: next(ticks))
+
+    here = gate(6.0)
+    assert here.thresholds == {"max_p95_ms": 45.0} and 0 < here.measured["read_floor_ms"] < 45.0 / 6
+    assert here.conditions["budget"].startswith("45 ms (gates.latency.max_p95_ms), above 6 × the read floor of ")
+    monkeypatch.setattr(components.read_floor, "memory_bandwidth", lambda: 1e6)
+    step = onnx_read_bytes(engine.engine_dir.engine_file) + engine.manifest.kv_bytes_per_token * (3 + 2)
+    floor_ms = 4 * step / 1e6 * 1000.0
+    slow = gate(6.0, ms_per_run=5 * floor_ms)  # 5x its floor: within 6x, far beyond 45 ms
+    assert slow.passed and slow.thresholds["max_p95_ms"] == pytest.approx(6 * floor_ms) and slow.measured["read_floor_ms"] == pytest.approx(floor_ms)
+    assert slow.measured["p95_over_floor"] == pytest.approx(5.0)
+    assert slow.conditions["budget"].startswith(f"6 × the read floor of {floor_ms:.3g} ms (") and "above 45 ms" in slow.conditions["budget"]
+    assert not gate(6.0, ms_per_run=7 * floor_ms).passed
+    absolute = gate(None, ms_per_run=5 * floor_ms)  # null: the absolute budget alone
+    assert not absolute.passed and "read_floor_ms" not in absolute.measured and absolute.conditions == {"budget": "45 ms (gates.latency.max_p95_ms)"}
 
 
 def test_a_p95_exactly_at_its_limit_passes_and_one_tick_above_fails(engine):
@@ -460,7 +487,8 @@ def test_the_latency_gate_times_the_engine_with_the_servers_threads_in_a_process
 
     quick = LatencyGateParams(prompt_tokens=8, new_tokens=4, warmup=1, runs=2, max_p95_ms=10_000)
     timed = latency_gate_as_served(engine_dir.path, list(range(1, 9)), quick, threads)
-    assert timed.conditions == {"runtime": f"onnxruntime {engine_dir.manifest.backend_version}", "threads": str(threads), "process": "its own, as kiln serve runs it"}
+    runs = {"runtime": f"onnxruntime {engine_dir.manifest.backend_version}", "threads": str(threads), "process": "its own, as kiln serve runs it"}
+    assert timed.conditions == runs | {"budget": timed.conditions["budget"]} and timed.conditions["budget"].startswith("10000 ms (gates.latency.max_p95_ms), above ")
     assert timed.passed and len(timed.samples_ms) == 2
     report = GateReport((timed,))
     assert f"threads {threads}, process its own" in report.to_markdown()
