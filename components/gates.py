@@ -296,13 +296,20 @@ def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np
     PyTorch model it came from; the engine may fall at most the precision's limit below
     them, each drop decided by its paired interval over the prompts (components.evidence).
     BLEU is left out of the verdict where its sample holds too few 4-gram matches to resolve
-    its limit. Also reported: ROUGE-L of the engine's continuations against the model's."""
+    its limit, ROUGE-L where the model's own scores are too near 0 to (a random or barely
+    trained model). Also reported: ROUGE-L of the engine's continuations against the model's."""
     from components.metrics.bleu import COLUMNS, bleu_from_counts
 
     limits = text_limits(params, engine.manifest.precision)  # a bad config fails before measuring
     bleu_ours, bleu_theirs = slice(2, 2 + COLUMNS), slice(2 + COLUMNS, 2 + 2 * COLUMNS)
     measures = (
-        Measure("rouge_l_drop_pct", lambda s: drop_pct(s[..., 0], s[..., 1]), limits.max_rouge_l_drop_pct, "<="),
+        Measure(
+            "rouge_l_drop_pct",
+            lambda s: drop_pct(s[..., 0], s[..., 1]),
+            limits.max_rouge_l_drop_pct,
+            "<=",
+            unresolvable=lambda s, limit: rouge_l_unresolvable(float(s[1]), params.new_tokens, limit),
+        ),
         Measure(
             "bleu_drop_pct",
             lambda s: drop_pct(bleu_from_counts(s[..., bleu_ours]), bleu_from_counts(s[..., bleu_theirs])),
@@ -363,6 +370,21 @@ def bleu_unresolvable(reference_counts: np.ndarray, limit: float) -> str | None:
         return None
     matches = int(reference_counts[MATCHED_4GRAMS])
     return f"the model's continuations share {matches} 4-grams with the held-out text: one match more moves BLEU by {step:.3g} %, more than its limit of {limit:g} %"
+
+
+def rouge_l_unresolvable(reference_total: float, new_tokens: int, limit: float) -> str | None:
+    """Why ROUGE-L cannot resolve `limit` on this sample: the model's scores summed over the
+    sequences are so near 0 that one word more in one continuation's longest common
+    subsequence (about 1/`new_tokens` of its score) moves the mean by more than the limit."""
+    if reference_total == 0:
+        return "the model's continuations share no word with the held-out text: its ROUGE-L is 0, and a drop from 0 means nothing"
+    step = 100.0 / new_tokens / reference_total
+    if step <= limit:
+        return None
+    return (
+        f"the model's continuations score ROUGE-L {reference_total:.3g} in all against the held-out text: one word more in one continuation "
+        f"moves it by about {step:.3g} %, more than its limit of {limit:g} %"
+    )
 
 
 def text_limits(params: TextGateParams, precision: str) -> TextLimits:

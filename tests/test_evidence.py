@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from components.evidence import Measure, assess, interval, looks, sequential_evidence, verdict_of
-from components.gates import bleu_unresolvable
+from components.gates import bleu_unresolvable, rouge_l_unresolvable
 
 # Rows of a quality gate: agreements, positions (31 a window, as the tiny model's windows).
 AGREEMENT = Measure("top1_agreement", lambda s: s[..., 0] / s[..., 1], 0.93, ">=")
@@ -117,6 +117,17 @@ def test_bleu_over_a_handful_of_4_gram_matches_cannot_resolve_a_2_percent_limit(
     nothing = few.copy()
     nothing[2:6] = 0  # not a word in common: BLEU 0
     assert "its BLEU is 0" in bleu_unresolvable(nothing, 2.0)
+
+
+def test_rouge_l_near_0_cannot_resolve_a_2_percent_limit_and_is_left_out_instead_of_asking_for_millions_of_sequences():
+    """A random model's continuations score ROUGE-L near 0 against held-out text: 128 of
+    them at 0.01 sum to 1.28, where one word more in one 32-token continuation moves the mean
+    by ~2.4 %; a trained model's (0.2 each) resolve 2 % easily."""
+    reason = rouge_l_unresolvable(128 * 0.01, 32, 2.0)
+    assert reason == "the model's continuations score ROUGE-L 1.28 in all against the held-out text: one word more in one continuation moves it by about 2.44 %, more than its limit of 2 %"
+    assert rouge_l_unresolvable(128 * 0.01, 32, 5.0) is None  # a limit it can resolve
+    assert rouge_l_unresolvable(128 * 0.2, 32, 2.0) is None
+    assert "its ROUGE-L is 0" in rouge_l_unresolvable(0.0, 32, 2.0)
 
 
 def test_bleu_from_summed_sentence_counts_is_nltks_corpus_bleu():
