@@ -284,7 +284,7 @@ def test_gate_exits_0_when_the_engine_passes_and_1_when_a_gate_fails(tmp_path, e
     assert passed.exit_code == 0, passed.output
     assert "all gates passed" in passed.output and "measured on" in passed.output and "cores" in passed.output
 
-    strict = params.gates.model_copy(update={"latency": params.gates.latency.model_copy(update={"max_p95_ms": 1e-6})})
+    strict = params.gates.model_copy(update={"latency": params.gates.latency.model_copy(update={"max_p95_ms": 1e-6, "max_p95_over_floor": None})})
     slow = write_params(tmp_path / "strict.yaml", params.model_copy(update={"gates": strict}))
     failed = CliRunner().invoke(app, ["gate", str(engine_dir.path), "--params", str(slow), "--data", str(data_version.path)])
     assert failed.exit_code == 1
@@ -457,7 +457,7 @@ def test_kiln_serve_answers_with_the_champion_and_hears_alias_changes_from_the_m
 @pytest.mark.slow
 def test_kiln_run_with_a_failing_gate_prints_the_table_and_exits_1(served):
     params = tiny_params(served.root)
-    strict = params.gates.model_copy(update={"latency": params.gates.latency.model_copy(update={"max_p95_ms": 1e-6})})
+    strict = params.gates.model_copy(update={"latency": params.gates.latency.model_copy(update={"max_p95_ms": 1e-6, "max_p95_over_floor": None})})
     registry = params.registry.model_copy(update={"model_name": "kiln-strict"})
     strict_file = write_params(served.root / "strict.yaml", params.model_copy(update={"gates": strict, "registry": registry}))
     failed = kiln_in(served, "run", "--params", str(strict_file))

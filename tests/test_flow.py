@@ -77,7 +77,7 @@ def test_the_flow_registers_a_challenger_then_reuses_every_stage(flow_project):
 def test_a_failed_gate_registers_without_alias_and_raises_with_the_numbers(flow_project):
     slow = GateParams(
         quality=QualityGateParams(sequences=8, sequence_length=32),
-        latency=LatencyGateParams(prompt_tokens=8, new_tokens=8, warmup=1, runs=3, max_p95_ms=1e-6),
+        latency=LatencyGateParams(prompt_tokens=8, new_tokens=8, warmup=1, runs=3, max_p95_ms=1e-6, max_p95_over_floor=None),
     )
     params = tiny_params(flow_project, gates=slow).model_copy(
         update={"registry": tiny_params(flow_project).registry.model_copy(update={"model_name": "kiln-too-slow"})}
@@ -100,7 +100,7 @@ def test_a_triggered_rebuild_whose_gate_fails_ends_failed_with_the_numbers_and_n
     from flows.deployments import rebuild
 
     params = tiny_params(flow_project).model_dump(mode="json")
-    params["gates"]["latency"]["max_p95_ms"] = 1e-6
+    params["gates"]["latency"] |= {"max_p95_ms": 1e-6, "max_p95_over_floor": None}
     params["registry"]["model_name"] = "kiln-rebuilt-too-slow"
     (flow_project / "strict.yaml").write_text(yaml.safe_dump(params))
     with caplog.at_level(logging.INFO):
