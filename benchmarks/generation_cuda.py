@@ -180,7 +180,10 @@ class StaticCacheLoop:
         import torch
 
         self.model = model
-        self.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # Static shapes: each batch size compiles its own graph. A second batch size under
+        # automatic dynamic shapes aborted the process in torch 2.11 ("trying to set the
+        # current FakeTensorMode, but one already exists") on an H200.
+        self.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
         self.caches: dict[int, object] = {}
 
     def generate(self, ids, new_tokens: int):

@@ -246,6 +246,20 @@ def test_on_the_gpu_one_sequence_runs_the_triton_step_and_keeps_the_pytorch_mode
             assert ours == theirs
 
 
+@pytest.mark.parametrize(("shape", "triton"), [("gpt2-small", True), ("smollm2-135m", True), ("llama3.1-8b", False), ("qwen2.5-7b", False)])
+def test_the_one_row_triton_step_is_taken_only_at_the_widths_its_tiles_were_measured_at(shape, triton):
+    """The Triton step read an 8B model's weights at a fifth of an H200's bandwidth, where
+    the compiled step reads them near it: a wide model's one-row steps take the compiled step."""
+    from transformers import AutoConfig
+
+    from benchmarks.generation import SHAPES
+    from components.runtime.static_kv import static_shape
+    from components.runtime.torch_cuda import triton_step_suits
+
+    fields = dict(SHAPES[shape])
+    assert triton_step_suits(static_shape(AutoConfig.for_model(fields.pop("family"), **fields))) is triton
+
+
 def greedy_step_by_step(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy tokens through prefill and decode (rows in slots 0..n-1), as kiln serve's scheduler drives them."""
     from components.runtime.engine import left_pad

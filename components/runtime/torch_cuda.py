@@ -289,9 +289,24 @@ class TorchCudaEngine(Engine):
         self.runner = None
 
 
+# The widest hidden size the one-row Triton step's tiles were measured at (GPT-2-small 768,
+# SmolLM2 576; docs/performance.md#on-the-gpu). At Llama-3.1-8B's 4096 its whole-row tiles
+# and 4-column down-projection tiles read the weights at a fraction of the card's bandwidth
+# (5.2x the read floor on an H200 against the compiled step's 1.6x): wider models take that step.
+TRITON_STEP_MAX_HIDDEN = 1024
+
+
+def triton_step_suits(shape) -> bool:
+    """Whether the one-row Triton step is the faster one for a model of this shape."""
+    hidden = shape.hidden_size if hasattr(shape, "hidden_size") else shape.n_embd
+    return hidden <= TRITON_STEP_MAX_HIDDEN
+
+
 def _triton_step(program, shape, max_context: int):
     """The one-row Triton decode step of the model's family, where Triton is installed (it
-    ships with CUDA torch)."""
+    ships with CUDA torch) and the model is narrow enough for its tiles."""
+    if not triton_step_suits(shape):
+        return None
     try:
         from components.runtime.triton_decode import triton_decode_step
     except ImportError:
