@@ -168,6 +168,24 @@ class TrainingParams(_Section):
     """Train with torch's kernels held to AVX2 (ATen's CPU capability, MKL's conditional numerical reproducibility, oneDNN's ISA) and a fixed thread count, in a process of its own: the same data and params give the same model bytes on any x86-64 CPU with AVX2, at a cost in training time (docs/reproducibility.md)."""
 
 
+class LoraParams(_Section):
+    """LoRA (low-rank adaptation, through PEFT): the pretrained weights stay frozen and a pair
+    of small matrices is trained beside each targeted linear layer, then merged into its
+    weight before the model is saved, so export and every stage after see a plain model.
+    Trains a 1B model where every weight and its AdamW state would not fit (or not in time)."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight; false: full fine-tuning."""
+    rank: int = Field(16, ge=1, le=1024)
+    """Rank r of each adapter: r × (inputs + outputs) trained parameters per targeted layer."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale of the adapters' update (alpha / rank multiplies it); twice the rank is the common choice."""
+    dropout: float = Field(0.05, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: Literal["all-linear"] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] = "all-linear"
+    """The linear layers given adapters: `all-linear` (every one but the output head), or module names such as `[q_proj, v_proj]` (GPT-2's: `c_attn`, `c_proj`, `c_fc`)."""
+
+
 class FineTuningParams(TrainingParams):
     """Fine-tuning a pretrained model on the train split. Off unless enabled: a pretrained
     model is built as it is. The defaults suit a model that already knows language (a small
@@ -185,6 +203,16 @@ class FineTuningParams(TrainingParams):
     """Steps of linear learning-rate warm-up."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
+    # Left out of the section's dump while off: the model's identity (the train stage's key)
+    # and the params digest move only when LoRA is on, as they did before it existed.
+    lora: LoraParams = Field(LoraParams(), exclude_if=lambda lora: not lora.enabled)
+    """LoRA adapters instead of every weight (off unless enabled); LoRA usually wants a higher `learning_rate` than full fine-tuning, around 1e-4 to 2e-4."""
+
+    @model_validator(mode="after")
+    def _lora_only_while_fine_tuning(self) -> FineTuningParams:
+        if self.lora.enabled and not self.enabled:
+            raise ValueError("lora.enabled is true and enabled is false: LoRA trains adapters while fine-tuning, so set enabled: true as well (or lora.enabled: false)")
+        return self
 
 
 class ModelParams(_Section):

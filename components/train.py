@@ -1,16 +1,17 @@
 """The train stage: a byte-level BPE tokenizer and a small GPT-2 or Llama trained from
 scratch on the train split, or an existing Hugging Face model loaded (and optionally
-fine-tuned)."""
+fine-tuned: every weight, or LoRA adapters merged into the weights before it is saved)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from components.config import ModelParams, TrainingParams
+from components.config import LoraParams, ModelParams, TrainingParams
 from components.data import DataVersion
 from components.errors import TrainError
 from components.families import shape_of
@@ -22,6 +23,12 @@ EOS = "<|endoftext|>"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
 STAGE_VERSION = "1"
+# Where a LoRA fine-tune keeps its adapter in the model directory (PEFT's own layout: it
+# loads onto `model.pretrained` with PeftModel.from_pretrained). The weights beside it
+# already hold the adapter merged.
+ADAPTER = "adapter"
+
+_log = logging.getLogger(__name__)
 
 
 def model_from_data(data: DataVersion, params: ModelParams, out_root: Path) -> TrainedModel:
@@ -70,6 +77,11 @@ def _train_held(environment: dict[str, str], target: Path, data: DataVersion, pa
     if "torch" in sys.modules:  # it would have read its settings already (a main module that imports it)
         raise TrainError("torch was imported before the reproducible training process could hold its kernels")
     os.environ.update(environment)
+    # This process has no logging set up: the stage's lines (what is trained) go to stderr, as its progress does.
+    stages = logging.getLogger("components")
+    stages.setLevel(logging.INFO)
+    stages.addHandler(logging.StreamHandler(sys.stderr))
+    stages.propagate = False
     _train_into(target, data, params)
 
 
@@ -107,14 +119,25 @@ def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
     torch.manual_seed(schedule.seed)
     if schedule.threads:
         torch.set_num_threads(schedule.threads)
+    lora = params.fine_tuning.lora if params.pretrained and params.fine_tuning.lora.enabled else None
     if params.pretrained:
         model, tokenizer = _pretrained(pretrained_directory(params.pretrained))
     else:
         tokenizer = tokenizer_from_texts(data.texts("train"), params)
         model = fresh_model(tokenizer, params)
+    adapted = with_lora_adapters(model, lora, params.pretrained) if lora else None  # refuses bad targets before any training
+    if adapted is not None:
+        trainable, total = adapted.record["trainable_parameters"], adapted.record["parameters"]
+        _log.info(
+            "fine-tuning %s with LoRA rank %d (%s trainable of %s parameters), %d steps at learning rate %g",
+            params.pretrained, lora.rank, f"{trainable:,}", f"{total:,}", schedule.steps, schedule.learning_rate,
+        )  # fmt: skip
     train_ids = _token_stream(tokenizer, data.texts("train"))
     eval_ids = _token_stream(tokenizer, data.texts("eval"))
-    curve = _fit(model, train_ids, schedule)
+    curve = _fit(adapted.model if adapted is not None else model, train_ids, schedule)
+    if adapted is not None:
+        adapted.save_adapter(target / ADAPTER)
+        model = adapted.merged()  # what is saved, evaluated, exported and gated: a plain model
     perplexity = evaluate_perplexity(model, eval_ids, schedule)
     model.save_pretrained(str(target))
     tokenizer.save_pretrained(str(target))
@@ -124,8 +147,103 @@ def _train_into(target: Path, data: DataVersion, params: ModelParams) -> None:
         "loss_curve": curve,
         "data_md5": data.md5,
         "params": params.identity(),
-    } | ({"kernels": kernels_record(schedule.reproducible, torch.get_num_threads())} if curve else {})
+    } | ({"kernels": kernels_record(schedule.reproducible, torch.get_num_threads())} if curve else {}) | ({"lora": adapted.record} if adapted is not None else {})
     (target / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+class LoraAdapted:
+    """A pretrained model with LoRA adapters (PEFT) on its targeted linear layers: only the
+    adapters train; `merged()` folds them into the weights and gives back the plain model."""
+
+    def __init__(self, model, lora: LoraParams, targets: list[str], base_name: str) -> None:
+        import warnings
+
+        from peft import LoraConfig, get_peft_model
+        from transformers.pytorch_utils import Conv1D
+
+        parameters = sum(p.numel() for p in model.parameters())
+        modules = dict(model.named_modules())
+        config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=targets,  # full names, resolved by with_lora_adapters: nothing is left to PEFT's matching
+            fan_in_fan_out=isinstance(modules[targets[0]], Conv1D),  # GPT-2's layers store their weight transposed
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        with warnings.catch_warnings():  # PEFT asks transformers 5 by the name it deprecated
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            self.model = get_peft_model(model, config)
+        self.model.peft_config["default"].base_model_name_or_path = base_name  # as params.yaml names it, not this machine's path
+        self.record = {
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "dropout": lora.dropout,
+            "target_modules": sorted({name.rsplit(".", 1)[-1] for name in targets}),
+            "adapted_layers": len(targets),
+            "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "parameters": parameters,
+            "adapter": ADAPTER,
+        }
+
+    def save_adapter(self, path: Path) -> None:
+        """PEFT's adapter folder, written to the same bytes for the same adapter: PEFT keeps
+        target_modules as a set (its order changes with each process's hash seed), and its
+        model card is an empty template."""
+        self.model.save_pretrained(str(path))
+        config_file = path / "adapter_config.json"
+        config = json.loads(config_file.read_text())
+        config["target_modules"] = sorted(config["target_modules"])
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (path / "README.md").unlink(missing_ok=True)
+
+    def merged(self):
+        """The model with each adapter's scaled B·A added into its layer's weight, the adapter
+        layers removed (NaN or inf in a merged weight is refused: safe_merge)."""
+        try:
+            return self.model.merge_and_unload(safe_merge=True).eval()
+        except ValueError as err:
+            raise TrainError(f"merging the LoRA adapters into the weights failed: {err}") from err
+
+
+def with_lora_adapters(model, lora: LoraParams, base_name: str) -> LoraAdapted:
+    """`model` with adapters on the layers `lora.target_modules` names; TrainError naming the
+    setting for a name no linear layer of the model has, before any training."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    linear = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear | Conv1D)}
+    head = model.get_output_embeddings()
+    heads = [name for name, module in linear.items() if module is head]
+    if lora.target_modules == "all-linear":
+        targets = [name for name in linear if name not in heads]
+    else:
+        unknown = [wanted for wanted in lora.target_modules if not any(_names(name, wanted) for name in linear)]
+        if unknown:
+            kinds = sorted({name.rsplit(".", 1)[-1] for name in linear})
+            raise TrainError(
+                f"model.fine_tuning.lora.target_modules names {', '.join(map(repr, unknown))}, which {base_name} has no linear layer of: "
+                f"its linear layers are {', '.join(kinds)} (or all-linear: every one but the output head)"
+            )
+        targets = [name for name in linear if any(_names(name, wanted) for wanted in lora.target_modules)]
+        tied = getattr(model.config, "tie_word_embeddings", False) and [name for name in targets if name in heads]
+        if tied:
+            raise TrainError(
+                f"model.fine_tuning.lora.target_modules names the output head ({tied[0]}), whose weight {base_name} shares with its input embeddings: "
+                "an adapter merged into it would change both. Leave it out"
+            )
+    if not targets:
+        raise TrainError(f"model.fine_tuning.lora.target_modules: {base_name} has no linear layer but its output head to adapt")
+    return LoraAdapted(model, lora, sorted(targets), base_name)
+
+
+def _names(module: str, wanted: str) -> bool:
+    """A target names a module by its full name or its last parts (`q_proj`, `self_attn.q_proj`), as PEFT matches them."""
+    return module == wanted or module.endswith(f".{wanted}")
 
 
 def tokenizer_from_texts(texts: Sequence[str], params: ModelParams):
@@ -227,7 +345,8 @@ def _fit(model, ids, params: TrainingParams) -> list[tuple[int, float]]:
     if len(ids) <= params.block_size + 1:
         raise TrainError(f"the train split has {len(ids)} tokens, fewer than one block of {params.block_size}")
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=params.learning_rate, weight_decay=params.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # every weight, or LoRA's adapters alone
+    optimizer = torch.optim.AdamW(trained, lr=params.learning_rate, weight_decay=params.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_scale(step, params))
     generator = torch.Generator().manual_seed(params.seed)
     curve = []
@@ -238,7 +357,7 @@ def _fit(model, ids, params: TrainingParams) -> list[tuple[int, float]]:
             loss = model(input_ids=batch, attention_mask=torch.ones_like(batch), labels=batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
             optimizer.step()
             schedule.step()
             if step % 10 == 0 or step == params.steps - 1:

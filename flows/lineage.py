@@ -17,6 +17,7 @@ from components.engine_dir import EngineDir
 from components.export import ExportedOnnx
 from components.gates import GateReport, GateResult, limit_text
 from components.model_dir import TrainedModel
+from components.train import ADAPTER
 from registry import DatasetRecord, RunLink, RunRecord, VersionInfo, tags
 
 
@@ -93,13 +94,15 @@ def run_record(
 
 def training_record(params: Params, model: TrainedModel, data_md5: str, plot: Path) -> RunRecord:
     """The training run: the data and model sections of params.yaml, the loss by step, the
-    eval perplexity, the corpus as a dataset input and the loss plot."""
+    eval perplexity, the corpus as a dataset input, the loss plot, and the LoRA adapter
+    where the model was fine-tuned with one (its weights hold it merged)."""
     metrics = {"train.eval_perplexity": model.eval_perplexity or 0.0, "train.uniform_perplexity": model.uniform_perplexity or 0.0}
+    adapter = model.path / ADAPTER
     return RunRecord(
         params=_flatten({"data": params.data.model_dump(mode="json"), "model": params.model.model_dump(mode="json")}),
         metrics=metrics,
         version_tags={},
-        artifacts={"plots": plot},
+        artifacts={"plots": plot} | ({"adapter": adapter} if adapter.is_dir() else {}),
         step_metrics={"train.loss": list(model.loss_curve)},
         datasets=(DatasetRecord("corpus", data_md5, str(Path(params.data.path).with_suffix(".dvc")), "training"),),
     )
