@@ -253,6 +253,8 @@ class ModelParams(_Section):
         if schedule is None:
             return f"model: {self.pretrained}, built as it is (model.fine_tuning.enabled: true fine-tunes it first)"
         what = f"fine-tuning {self.pretrained}" if self.pretrained else f"training a {self.architecture.family} model from scratch"
+        if self.pretrained and self.fine_tuning.lora.enabled:
+            what += f" with LoRA rank {self.fine_tuning.lora.rank} adapters merged into its weights"
         return f"model: {what}, {schedule.steps} steps at learning rate {schedule.learning_rate:g}"
 
 

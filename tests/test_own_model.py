@@ -48,6 +48,8 @@ def test_a_pretrained_model_is_built_as_it_is_unless_fine_tuning_is_asked_for():
     assert tuned.schedule == tuned.fine_tuning
     assert tuned.schedule.learning_rate <= 1e-4 < Params().model.training.learning_rate  # not the from-scratch rate
     assert "fine-tuning m, 200 steps at learning rate 2e-05" in tuned.plan()
+    adapted = Params.model_validate({"model": {"pretrained": "m", "fine_tuning": {"enabled": True, "lora": {"enabled": True, "rank": 8}}}}).model
+    assert "fine-tuning m with LoRA rank 8 adapters merged into its weights, 200 steps" in adapted.plan()
 
 
 def test_fine_tuning_without_a_pretrained_model_is_refused_naming_both_keys():
