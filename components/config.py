@@ -561,6 +561,8 @@ class ServingScenario(_Section):
     """Budget for the p95 time per output token, in milliseconds."""
     max_request_p99_ms: float = Field(gt=0)
     """Budget for the p99 of whole requests, in milliseconds (also the latency alert's threshold)."""
+    max_over_floor: float | None = Field(6.0, gt=1)
+    """Or each budget this many times its floor, whichever is larger: per output token, a step's read floor with `clients` rows (the bytes it reads at this machine's measured bandwidth); to first token, the prompt's first token measured unloaded, once per client that may queue ahead; a request, both. The budgets that scale with the model. null: the milliseconds alone."""
 
 
 class ServingGateParams(_Section):

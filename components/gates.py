@@ -5,6 +5,7 @@ thresholds, pass/fail."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -13,7 +14,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from components.config import GateParams, LatencyGateParams, QualityGateParams, QualityLimits, TextGateParams, TextLimits
+from components.config import GateParams, LatencyGateParams, QualityGateParams, QualityLimits, ServingScenario, TextGateParams, TextLimits
 from components.data import DataVersion, split_texts
 from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import ConfigError, DataError
@@ -467,6 +468,53 @@ def latency_budget(engine: Engine, params: LatencyGateParams) -> tuple[float, Bu
     if relative > params.max_p95_ms:
         return relative, Budget(f"{scaled}, above {absolute}", floor_ms)
     return params.max_p95_ms, Budget(f"{absolute}, above {scaled}", floor_ms)
+
+
+# ---------------------------------------------------------------- serving budgets
+
+SERVING_BUDGETS = ("ttft_p95_ms", "tpot_p95_ms", "request_p99_ms")
+
+
+@dataclass(frozen=True)
+class ScenarioBudgets:
+    limits: dict[str, float]  # SERVING_BUDGETS' limits in ms
+    floors: dict[str, float]  # each budget's floor in ms, where the relative budgets apply
+    text: str  # which budget applied to each measure, and why
+
+
+def scenario_budgets(engine: Engine, prompt: list[int], scenario: ServingScenario) -> ScenarioBudgets:
+    """Each budget of `scenario`: its milliseconds, or `max_over_floor` times its floor where
+    that is larger (a 1B model's step alone takes longer on a CPU than the tiny model's budget)."""
+    from components.read_floor import read_floor
+
+    absolute = {budget: getattr(scenario, f"max_{budget}") for budget in SERVING_BUDGETS}
+    if scenario.max_over_floor is None:
+        return ScenarioBudgets(absolute, {}, "the milliseconds alone (max_over_floor: null)")
+    floor = read_floor(engine, rows=scenario.clients, mean_length=scenario.prompt_tokens + scenario.new_tokens / 2)
+    if floor is None:
+        return ScenarioBudgets(absolute, {}, f"the milliseconds alone: no read floor for a {engine.manifest.backend} engine")
+    first, step = scenario.clients * first_token_ms(engine, prompt), floor.ms(1)
+    floors = {"ttft_p95_ms": first, "tpot_p95_ms": step, "request_p99_ms": first + (scenario.new_tokens - 1) * step}
+    over = scenario.max_over_floor
+    limits = {budget: max(absolute[budget], over * floors[budget]) for budget in SERVING_BUDGETS}
+    chosen = ", ".join(
+        f"{budget.split('_')[0]} {limits[budget]:.4g} ms ({f'max_{budget}' if limits[budget] == absolute[budget] else f'{over:g} × its floor'})"
+        for budget in SERVING_BUDGETS
+    )
+    text = f"{chosen}; floors: first token {first:.3g} ms ({scenario.clients} × one unloaded), a step {step:.3g} ms ({floor.text()})"
+    return ScenarioBudgets(limits, floors, text)
+
+
+def first_token_ms(engine: Engine, prompt: list[int], runs: int = 3) -> float:
+    """The median time of `prompt`'s first token with nothing else running, after a warm-up."""
+    sampling = Sampling(max_new_tokens=1, stop_at_eos=False)
+    engine.generate([prompt], sampling)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        engine.generate([prompt], sampling)
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
 
 
 def latency_prompt(windows: np.ndarray, length: int) -> list[int]:

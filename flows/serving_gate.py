@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from components.config import GateParams
 from components.engine_dir import EngineDir
-from components.gates import GateResult, token_windows
+from components.gates import GateResult, scenario_budgets, token_windows
 from components.runtime import open_engine
 from components.runtime.tokenizer import EngineTokenizer
 from serving.measure import measure_scenario
-
-BUDGETS = ("ttft_p95_ms", "tpot_p95_ms", "request_p99_ms")
 
 
 def serving_gate(engine_dir: EngineDir, eval_texts: list[str], params: GateParams, threads: int | None) -> GateResult:
@@ -21,12 +19,16 @@ def serving_gate(engine_dir: EngineDir, eval_texts: list[str], params: GateParam
     tokenizer = EngineTokenizer(engine_dir.path)
     measured: dict[str, float] = {}
     thresholds: dict[str, float] = {}
+    budget_texts: dict[str, str] = {}
     for scenario in params.serving.scenarios:
         prompts = token_windows(tokenizer, eval_texts, scenario.clients * scenario.requests, scenario.prompt_tokens).tolist()
         engine = open_engine(engine_dir, threads=threads)  # the scheduler closes it when it stops
         conditions = engine.runtime_settings()
+        budgets = scenario_budgets(engine, prompts[0], scenario)
         numbers = measure_scenario(engine, tokenizer, prompts, scenario.clients, scenario.requests, scenario.new_tokens)
         measured |= {f"{scenario.name}.{name}": value for name, value in numbers.items()}
-        thresholds |= {f"max_{scenario.name}.{budget}": getattr(scenario, f"max_{budget}") for budget in BUDGETS}
+        measured |= {f"{scenario.name}.{name.split('_')[0]}_floor_ms": value for name, value in budgets.floors.items()}
+        thresholds |= {f"max_{scenario.name}.{budget}": limit for budget, limit in budgets.limits.items()}
+        budget_texts[f"{scenario.name}.budget"] = budgets.text
     passed = all(measured[key.removeprefix("max_")] <= limit for key, limit in thresholds.items())
-    return GateResult("serving", passed, measured, thresholds, conditions=conditions | {"process": "the server's scheduler, without HTTP"})
+    return GateResult("serving", passed, measured, thresholds, conditions=conditions | budget_texts | {"process": "the server's scheduler, without HTTP"})

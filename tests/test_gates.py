@@ -366,7 +366,9 @@ def test_the_serving_gate_measures_each_scenario_through_the_scheduler_against_i
 
     scenarios = [
         ServingScenario(name="single", clients=1, requests=3, prompt_tokens=8, new_tokens=6, max_ttft_p95_ms=1e4, max_tpot_p95_ms=1e4, max_request_p99_ms=1e4),
-        ServingScenario(name="busy", clients=4, requests=2, prompt_tokens=8, new_tokens=6, max_ttft_p95_ms=1e4, max_tpot_p95_ms=1e4, max_request_p99_ms=1e-3),
+        ServingScenario(
+            name="busy", clients=4, requests=2, prompt_tokens=8, new_tokens=6, max_ttft_p95_ms=1e4, max_tpot_p95_ms=1e4, max_request_p99_ms=1e-3, max_over_floor=None
+        ),
     ]
     gates = params.gates.model_copy(update={"serving": ServingGateParams(scenarios=scenarios)})
     result = serving_gate(engine_dir, data_version.texts("eval"), gates, threads=1)
@@ -378,6 +380,33 @@ def test_the_serving_gate_measures_each_scenario_through_the_scheduler_against_i
     assert not result.passed  # the busy scenario's 1 µs budget
     assert GateReport((result,)).failures() == [f"serving: busy.request_p99_ms {measured['busy.request_p99_ms']:.4g} (limit <= 0.001)"]
     assert limit_text("single.ttft_p95_ms", result.thresholds) == "<= 10000"
+    assert 0 < measured["single.tpot_floor_ms"] < measured["single.request_floor_ms"] and "busy.tpot_floor_ms" not in measured
+    assert result.conditions["single.budget"].startswith("ttft 1e+04 ms (max_ttft_p95_ms), tpot 1e+04 ms (max_tpot_p95_ms)")
+    assert result.conditions["busy.budget"] == "the milliseconds alone (max_over_floor: null)"
+
+
+def test_serving_budgets_scale_with_the_floors_where_those_allow_more(engine, monkeypatch):
+    """Each budget is max(its milliseconds, max_over_floor × its floor): per output token a
+    step's read floor with every client's row, to first token the prompt's own first token
+    unloaded once per client, a request both. On a machine whose memory reads 1 MB/s the
+    tiny engine's step floor sets the token and request budgets; the first token's stays."""
+    import components.read_floor
+    from components.config import ServingScenario
+    from components.read_floor import onnx_read_bytes
+    from components.gates import scenario_budgets
+
+    scenario = ServingScenario(name="s", clients=4, requests=1, prompt_tokens=3, new_tokens=5, max_ttft_p95_ms=1e4, max_tpot_p95_ms=20, max_request_p99_ms=500)
+    here = scenario_budgets(engine, [5, 17, 42], scenario)
+    assert here.limits == {"ttft_p95_ms": 1e4, "tpot_p95_ms": 20, "request_p99_ms": 500}  # the tiny engine's floors are far below
+    monkeypatch.setattr(components.read_floor, "memory_bandwidth", lambda: 1e6)
+    slow = scenario_budgets(engine, [5, 17, 42], scenario)
+    step = (onnx_read_bytes(engine.engine_dir.engine_file) + engine.manifest.kv_bytes_per_token * 4 * (3 + 5 / 2)) / 1e6 * 1000.0
+    first = slow.floors["ttft_p95_ms"]
+    assert slow.floors["tpot_p95_ms"] == pytest.approx(step) and 0 < first < 1e4 / 6
+    assert slow.limits == {"ttft_p95_ms": 1e4, "tpot_p95_ms": pytest.approx(6 * step), "request_p99_ms": pytest.approx(6 * (first + 4 * step))}
+    assert slow.text.startswith("ttft 1e+04 ms (max_ttft_p95_ms), tpot ") and "(6 × its floor)" in slow.text and "(4 × one unloaded)" in slow.text
+    alone = scenario_budgets(engine, [5, 17, 42], scenario.model_copy(update={"max_over_floor": None}))
+    assert alone.limits == here.limits and alone.floors == {}
 
 
 def test_the_latency_budget_scales_with_the_read_floor_where_that_allows_more(engine, monkeypatch):
