@@ -45,9 +45,9 @@ def champion_gate(candidate: Contender, champion: Contender, champion_version: s
     budget = (min(len(texts), params.quality.max_sequences), min(len(prompts), params.text.max_sequences))
     with stage_progress("champion gate: quality", total=budget[0] + budget[1]) as advance:
         nll_rows = lambda start, stop: _nll_rows((candidate, champion), texts[start:stop], advance)  # noqa: E731
-        nll = sequential_evidence(nll_rows, params.quality.sequences, budget[0], [nll_measure], params.confidence)
+        nll = sequential_evidence(nll_rows, params.quality.sequences, budget[0], [nll_measure], params.confidence, params.quality.max_minutes)
         rouge_rows = lambda start, stop: _rouge_rows((candidate, champion), prompts[start:stop], held_out[start:stop], params, advance)  # noqa: E731
-        rouge = sequential_evidence(rouge_rows, params.text.sequences, budget[1], [rouge_measure], params.confidence)
+        rouge = sequential_evidence(rouge_rows, params.text.sequences, budget[1], [rouge_measure], params.confidence, params.text.max_minutes)
     latency_prompt = candidate.tokenizer.decode(token_windows(candidate.tokenizer, eval_texts, 1, params.latency.prompt_tokens)[0].tolist())
     p50 = _interleaved_p50(candidate, champion, latency_prompt, params)
     extra = {

@@ -472,6 +472,8 @@ class QualityGateParams(_Section):
     """Eval-split sequences scored first; more (doubling) while an interval straddles a limit."""
     max_sequences: int = Field(128, ge=1)
     """The gate's budget: the most sequences it scores before an undecided verdict stays inconclusive."""
+    max_minutes: float | None = Field(15.0, gt=0)
+    """The gate's time budget: after its first sample it scores more only where, at its pace so far, they fit this many minutes (an undecided verdict then stays inconclusive, saying so); null: up to max_sequences whatever that takes."""
     sequence_length: int = Field(64, ge=2)
     """Tokens per scored sequence."""
     # Per precision: fp32 must match its reference; int8 may lose a little (TensorRT
@@ -509,6 +511,8 @@ class TextGateParams(_Section):
     """Held-out prompts continued by both first; more (doubling) while an interval straddles a limit."""
     max_sequences: int = Field(512, ge=1)
     """The gate's budget: the most prompts it continues before an undecided verdict stays inconclusive."""
+    max_minutes: float | None = Field(15.0, gt=0)
+    """The gate's time budget: after its first prompts it continues more only where, at its pace so far, they fit this many minutes (an undecided verdict then stays inconclusive, saying so); null: up to max_sequences whatever that takes."""
     prompt_tokens: int = Field(16, ge=1)
     """Tokens of each prompt."""
     new_tokens: int = Field(32, ge=1)

@@ -17,8 +17,9 @@ lies within its limit fails with at most 1 - confidence probability.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -60,6 +61,7 @@ class Evidence:
     budget: int
     level: float  # the confidence of each interval (the gate's, corrected for its looks)
     totals: np.ndarray  # the column sums of every sequence measured
+    stopped: str | None = None  # why it measured no more while undecided, before its budget
 
     @property
     def verdict(self) -> Verdict:
@@ -71,10 +73,11 @@ class Evidence:
         one over the square root of the sample."""
         estimate = self.estimates[measure]
         margin, half_width = abs(estimate.value - limit), (estimate.high - estimate.low) / 2
+        stopped = f"; {self.stopped}" if self.stopped else ""
         if margin == 0:
-            return "no sample size settles it: the estimate lies on the limit"
+            return f"no sample size settles it: the estimate lies on the limit{stopped}"
         needed = math.ceil(self.sequences * (half_width / margin) ** 2)
-        return f"about {needed} sequences would settle it (measured {self.sequences}, budget {self.budget})"
+        return f"about {needed} sequences would settle it (measured {self.sequences}, budget {self.budget}){stopped}"
 
 
 def interval(rows: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], level: float, seed: int = 0) -> tuple[float, float]:
@@ -112,15 +115,39 @@ def looks(first: int, budget: int) -> int:
     return 1 + (math.ceil(math.log2(budget / first)) if budget > first else 0)
 
 
-def sequential_evidence(measure_rows: Callable[[int, int], np.ndarray], first: int, budget: int, measures: Sequence[Measure], confidence: float) -> Evidence:
+def sequential_evidence(
+    measure_rows: Callable[[int, int], np.ndarray],
+    first: int,
+    budget: int,
+    measures: Sequence[Measure],
+    confidence: float,
+    minutes: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Evidence:
     """Measure sequences [0, first), assess; while inconclusive, measure up to twice as many
-    (never past `budget`) and assess the whole sample again. `measure_rows(start, stop)`
-    returns the per-sequence table of sequences start..stop."""
+    (never past `budget`, nor past `minutes` of measuring at the pace so far) and assess the
+    whole sample again. `measure_rows(start, stop)` returns the per-sequence table of
+    sequences start..stop. Stopping early only drops looks, so each look's level still holds."""
     first = min(first, budget)
     level = 1.0 - (1.0 - confidence) / looks(first, budget)
+    start = clock()
     rows = measure_rows(0, first)
     while True:
         evidence = assess(rows, measures, level, budget)
         if evidence.verdict != "inconclusive" or len(rows) >= budget:
             return evidence
-        rows = np.concatenate([rows, measure_rows(len(rows), min(2 * len(rows), budget))])
+        more = min(2 * len(rows), budget) - len(rows)
+        stopped = _out_of_time(clock() - start, len(rows), more, minutes)
+        if stopped:
+            return replace(evidence, stopped=stopped)
+        rows = np.concatenate([rows, measure_rows(len(rows), len(rows) + more)])
+
+
+def _out_of_time(elapsed_s: float, measured: int, more: int, minutes: float | None) -> str | None:
+    """Why `more` sequences do not fit the time budget at the pace of the first `measured`, or None."""
+    if minutes is None:
+        return None
+    projected = elapsed_s + elapsed_s / measured * more
+    if projected <= minutes * 60.0:
+        return None
+    return f"stopped at its time budget: {more} more would take it to about {projected / 60:.1f} min, over its {minutes:g} (max_minutes)"

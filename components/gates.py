@@ -240,7 +240,7 @@ def quality_gate(engine: Engine, reference, windows: np.ndarray, params: Quality
     budget = min(len(windows), params.max_sequences)
     with stage_progress("quality gate", total=budget) as advance:
         rows = lambda start, stop: _quality_rows(engine, reference, windows[start:stop], batch_size, advance)  # noqa: E731
-        evidence = sequential_evidence(rows, params.sequences, budget, measures, confidence)
+        evidence = sequential_evidence(rows, params.sequences, budget, measures, confidence, params.max_minutes)
     agreed, positions, engine_nll, reference_nll = evidence.totals
     extra = {"ppl_engine": float(np.exp(engine_nll / positions)), "ppl_reference": float(np.exp(reference_nll / positions)), "tokens": float(positions), "sequences": float(evidence.sequences)}
     thresholds = {"min_top1_agreement": limits.min_top1_agreement, "max_ppl_increase_pct": limits.max_ppl_increase_pct}
@@ -323,7 +323,7 @@ def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np
     budget = min(len(windows), params.max_sequences)
     with stage_progress("text gate", total=budget) as advance:
         rows = lambda start, stop: _text_rows(engine, reference, tokenizer, windows[start:stop], params, written, advance)  # noqa: E731
-        evidence = sequential_evidence(rows, params.sequences, budget, measures, confidence)
+        evidence = sequential_evidence(rows, params.sequences, budget, measures, confidence, params.max_minutes)
     totals = evidence.totals
     extra = {
         "rouge_l": totals[0] / evidence.sequences,

@@ -64,6 +64,33 @@ def test_more_sequences_settle_a_verdict_the_first_look_could_not():
     assert evidence.level == pytest.approx(1 - 0.05 / looks(8, 256))  # each look at a Bonferroni share of the 5 %
 
 
+def test_a_gate_measures_more_only_where_the_next_sample_fits_its_time_budget_and_says_why_it_stopped():
+    """At a minute a sequence, 32 first take 32 min: the next 32 would end at about 64, within
+    a 90-minute budget, the 64 after them at about 128, beyond it. The gate stops there,
+    inconclusive, saying so beside how many sequences would settle it."""
+    rows = np.concatenate([exactly_at(0.93, size, 0) for size in (32, 32, 64)])
+    measured, now = [], [0.0]
+
+    def measure(start: int, stop: int) -> np.ndarray:
+        measured.append((start, stop))
+        now[0] += 60.0 * (stop - start)  # a minute a sequence
+        return rows[start:stop]
+
+    evidence = sequential_evidence(measure, 32, 128, [AGREEMENT], 0.95, minutes=90, clock=lambda: now[0])
+    assert measured == [(0, 32), (32, 64)] and evidence.sequences == 64 and evidence.verdict == "inconclusive"
+    assert evidence.level == pytest.approx(1 - 0.05 / looks(32, 128))  # the looks it planned: stopping early drops some
+    settle = evidence.to_settle("top1_agreement", 0.93)
+    assert "(measured 64, budget 128); stopped at its time budget: 64 more would take it to about 128.0 min, over its 90 (max_minutes)" in settle
+    unbounded = sequential_evidence(lambda start, stop: rows[start:stop], 32, 128, [AGREEMENT], 0.95, minutes=None)
+    assert unbounded.sequences == 128 and unbounded.stopped is None
+
+
+def test_a_decided_gate_stops_at_its_first_sample_whatever_its_time_budget():
+    rows = agreement_rows(1.0, 64, seed=0)
+    evidence = sequential_evidence(lambda start, stop: rows[start:stop], 32, 64, [AGREEMENT], 0.95, minutes=1e-9)
+    assert evidence.verdict == "passed" and evidence.sequences == 32 and evidence.stopped is None
+
+
 def test_looks_count_the_doublings_up_to_the_budget():
     assert [looks(32, b) for b in (32, 33, 64, 100, 128, 129)] == [1, 2, 2, 3, 3, 4]
 

@@ -75,6 +75,22 @@ def test_a_perplexity_rise_past_the_limit_fails(precision, engine, reference, wi
     assert "ppl_increase_pct" in result.failures()[0]
 
 
+def test_an_undecided_quality_gate_stops_at_its_time_budget_saying_so(engine, reference, windows):
+    """Its limit set at the engine's own perplexity rise, the interval straddles it: without a
+    time budget the gate doubles its sample up to max_sequences; with one that the first
+    sample already spent, it stops there, inconclusive, and the report says why."""
+    flatter = FlattenedEngine(engine, 0.97)
+    probe = quality_gate(flatter, reference, windows, QualityGateParams(sequences=8, max_sequences=8, sequence_length=32))
+    limits = QualityLimits(min_top1_agreement=0.5, max_ppl_increase_pct=probe.measured["ppl_increase_pct"] * 1.01)
+    undecided = QualityGateParams(sequences=8, max_sequences=16, sequence_length=32, limits={"fp32": limits}, max_minutes=None)
+    unbounded = quality_gate(flatter, reference, windows, undecided)
+    assert unbounded.measured["sequences"] == 16  # undecided at 8
+    bounded = quality_gate(flatter, reference, windows, undecided.model_copy(update={"max_minutes": 1e-9}))
+    assert bounded.measured["sequences"] == 8 and not bounded.passed
+    assert "would settle it (measured 8, budget 16); stopped at its time budget: 8 more would take it to about" in bounded.inconclusive["ppl_increase_pct"]
+    assert bounded.inconclusive["ppl_increase_pct"].endswith("over its 1e-09 (max_minutes)")
+
+
 def test_the_latency_gate_reports_percentiles_and_fails_past_its_limit(engine, windows):
     prompt = windows.ravel()[:8].tolist()
     result = latency_gate(engine, prompt, LatencyGateParams(prompt_tokens=8, new_tokens=4, warmup=1, runs=4, max_p95_ms=1e-6, max_p95_over_floor=None))
