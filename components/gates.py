@@ -493,7 +493,7 @@ def scenario_budgets(engine: Engine, prompt: list[int], scenario: ServingScenari
     floor = read_floor(engine, rows=scenario.clients, mean_length=scenario.prompt_tokens + scenario.new_tokens / 2)
     if floor is None:
         return ScenarioBudgets(absolute, {}, f"the milliseconds alone: no read floor for a {engine.manifest.backend} engine")
-    first, step = scenario.clients * first_token_ms(engine, prompt), floor.ms(1)
+    first, step = scenario.clients * median_generate_ms(engine, prompt, new_tokens=1), floor.ms(1)
     floors = {"ttft_p95_ms": first, "tpot_p95_ms": step, "request_p99_ms": first + (scenario.new_tokens - 1) * step}
     over = scenario.max_over_floor
     limits = {budget: max(absolute[budget], over * floors[budget]) for budget in SERVING_BUDGETS}
@@ -505,9 +505,10 @@ def scenario_budgets(engine: Engine, prompt: list[int], scenario: ServingScenari
     return ScenarioBudgets(limits, floors, text)
 
 
-def first_token_ms(engine: Engine, prompt: list[int], runs: int = 3) -> float:
-    """The median time of `prompt`'s first token with nothing else running, after a warm-up."""
-    sampling = Sampling(max_new_tokens=1, stop_at_eos=False)
+def median_generate_ms(engine: Engine, prompt: list[int], new_tokens: int, runs: int = 3) -> float:
+    """The median time of the engine's own `generate` of one prompt, with nothing else
+    running, after one untimed run."""
+    sampling = Sampling(max_new_tokens=new_tokens, stop_at_eos=False)
     engine.generate([prompt], sampling)
     times = []
     for _ in range(runs):

@@ -21,20 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.gpu_static_kv.serving_steps import engine_path, timed_engine
-
-
-def median_generate_ms(engine, prompt: list[int], new_tokens: int, runs: int = 10) -> float:
-    """The engine's own `generate` of one prompt at batch 1, after one untimed run."""
-    from components.runtime.sampling import Sampling
-
-    sampling = Sampling(max_new_tokens=new_tokens, stop_at_eos=False)
-    engine.generate([prompt], sampling)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        engine.generate([prompt], sampling)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+from components.gates import median_generate_ms
 
 
 def closed_loop(scheduler, prompts: list[list[int]], new_tokens: int, seconds: float, round_trip_s: float) -> dict:
@@ -163,7 +150,7 @@ def main() -> None:
         engine.generate([[0]], Sampling(max_new_tokens=2, stop_at_eos=False))
         prompts = random_prompts(16, 32, engine.manifest.vocab_size, 0)
         if shape in args.prefill_shapes:
-            generations = {n: median_generate_ms(engine, prompts[0], n) for n in (1, 128)}
+            generations = {n: median_generate_ms(engine, prompts[0], n, runs=10) for n in (1, 128)}
             graphs = prefill_costs(engine) if engine.runner.use_graphs and args.prefill_ab else {}
             report[f"{shape}_prefill"] = {f"generate_32_plus_{n}_ms": ms for n, ms in generations.items()} | graphs
             print(shape, json.dumps(report[f"{shape}_prefill"]), flush=True)
