@@ -12,7 +12,11 @@ run: $(STAMP)
 # Two workers, a test file each at a time (module fixtures such as `kiln up` stay shared
 # within a file): the suite waits on servers and subprocesses as much as it computes. The
 # longest files go first (tests/conftest.py), not the ones with the most tests.
+# The suite starts some 150 Python processes (kiln verbs, servers, flow runs, engine
+# processes), each importing kiln's own modules: compiled here once, not in every one of them
+# (where PYTHONDONTWRITEBYTECODE is set, nothing else writes their bytecode; see $(UV) below).
 test: $(STAMP)
+	$(VENV)/bin/python -m compileall -q components flows registry serving benchmarks tests
 	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The documentation site on http://127.0.0.1:8001 (mkdocs.yml's dev_addr: kiln serve keeps 8000), rebuilt on every change; its reference
