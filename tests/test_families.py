@@ -7,6 +7,9 @@ with its family, and served to the `openai` client."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +29,7 @@ from flows.cli import app
 
 from .conftest import EosAfter, make_project, new_project_store, tiny_params
 from .model_families import random_model_dir, sentencepiece_style_tokenizer
-from .test_cli import kiln, write_params
+from .test_cli import write_params
 from .test_ort_attention import assert_computes_the_same
 
 BUILT = ("llama", "qwen2", "mistral")
@@ -166,11 +169,16 @@ def test_text_the_vocabulary_lacks_falls_back_to_bytes_and_decodes_whole(tmp_pat
 @pytest.fixture(scope="module")
 def families(tmp_path_factory, llama_tokenizer, tiny_model):
     """Each family's tiny model, fine-tuned by kiln's train stage on the project's corpus and
-    built with `kiln build --model DIR` (int8 and fp16) into one registry, as a user runs it."""
+    built with `kiln build --model DIR` (int8 and fp16) into one registry, as a user runs it.
+    The three `kiln build`s run one after another in one process of their own
+    (tests/kiln_in_one_process.py), each as soon as its model is fine-tuned: while it builds,
+    the next family fine-tunes."""
     from transformers import AutoTokenizer
 
     from components.data import data_version_from_source
     from components.train import model_from_data
+
+    from .kiln_in_one_process import output_of
 
     root = make_project(tmp_path_factory.mktemp("families") / "p")
     new_project_store(root)
@@ -178,18 +186,34 @@ def families(tmp_path_factory, llama_tokenizer, tiny_model):
     base = base.model_copy(update={"gates": toy_model_gates(base.gates)})
     data = data_version_from_source(base.data, root)
     byte_level = AutoTokenizer.from_pretrained(str(tiny_model.path))
+    log = root / "kiln-build.log"
+    builder = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("kiln_in_one_process.py")), str(log)],
+        cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )  # fmt: skip
     built = {}
-    for family in BUILT:
-        tokenizer = llama_tokenizer if family == "llama" else byte_level
-        extra_eos = (tokenizer.convert_tokens_to_ids("<0x0A>"),) if family == "llama" else ()  # a second EOS, as Llama 3 has
-        random = random_model_dir(family, tokenizer, root / "random" / family, extra_eos=extra_eos, chat_template=CHAT_TEMPLATES.get(family))
-        # Random weights know nothing: fine-tuned at the from-scratch rate, not fine-tuning's.
-        tuning = FineTuningParams(**(base.model.training.model_dump() | {"steps": 600, "enabled": True}))
-        model = model_from_data(data, ModelParams(pretrained=str(random), fine_tuning=tuning), root / "fine-tuned" / family)
-        params = base.model_copy(update={"registry": RegistryParams(tracking_uri=base.registry.tracking_uri, model_name=f"kiln-{family}")})
-        params_file = write_params(root / f"{family}.yaml", params)
-        result = kiln("build", "--model", str(model.path), "--params", str(params_file), cwd=root)
-        built[family] = SimpleNamespace(model=model, params=params, exit_code=result.returncode, output=result.stdout + result.stderr, extra_eos=extra_eos)
+    try:
+        for family in BUILT:
+            tokenizer = llama_tokenizer if family == "llama" else byte_level
+            extra_eos = (tokenizer.convert_tokens_to_ids("<0x0A>"),) if family == "llama" else ()  # a second EOS, as Llama 3 has
+            random = random_model_dir(family, tokenizer, root / "random" / family, extra_eos=extra_eos, chat_template=CHAT_TEMPLATES.get(family))
+            # Random weights know nothing: fine-tuned at the from-scratch rate, not fine-tuning's.
+            tuning = FineTuningParams(**(base.model.training.model_dump() | {"steps": 600, "enabled": True}))
+            model = model_from_data(data, ModelParams(pretrained=str(random), fine_tuning=tuning), root / "fine-tuned" / family)
+            params = base.model_copy(update={"registry": RegistryParams(tracking_uri=base.registry.tracking_uri, model_name=f"kiln-{family}")})
+            params_file = write_params(root / f"{family}.yaml", params)
+            builder.stdin.write(json.dumps({"name": family, "cwd": str(root), "args": ["build", "--model", str(model.path), "--params", str(params_file)]}) + "\n")
+            builder.stdin.flush()
+            built[family] = SimpleNamespace(model=model, params=params, exit_code=None, output="", extra_eos=extra_eos)
+        answers, _ = builder.communicate(timeout=600 * len(BUILT))  # each `kiln build` had 600 s
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+    for answer in map(json.loads, answers.splitlines()):
+        built[answer["name"]].exit_code = answer["exit_code"]
+    for family, one in built.items():  # a build that never answered keeps exit_code None: its tests fail with the log
+        one.output = output_of(log.read_text(), family)
     return SimpleNamespace(root=root, built=built, data=data)
 
 
