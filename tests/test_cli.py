@@ -490,8 +490,15 @@ def test_kiln_run_fresh_rebuilds_every_stage_instead_of_reusing_the_cache(served
     assert after.keys() == before.keys() and all(after[name] > before[name] for name in before)
 
 
-def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path):
-    result = kiln("bench", "--shape", "tiny", "--runs", "2", "--json", str(tmp_path / "bench.json"), "--work", str(tmp_path / "work"), cwd=tmp_path)
+@pytest.fixture(scope="module")
+def bench_cache(tmp_path_factory) -> Path:
+    """The first `kiln bench` run's --work folder: the tiny shape's random model and its ONNX
+    export, which the bench keeps there across invocations (benchmark_engines)."""
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path, bench_cache):
+    result = kiln("bench", "--shape", "tiny", "--runs", "2", "--json", str(tmp_path / "bench.json"), "--work", str(bench_cache), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hf-eager-fp32" in result.stdout and "kiln-ort-int8" in result.stdout and "kiln-ort-int4" in result.stdout
     every = {row["name"]: row for row in json.loads((tmp_path / "bench.json").read_text())["rows"]}
@@ -504,9 +511,14 @@ def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path):
     assert rows["hf-eager-fp32"]["speedup_vs_hf"] == 1.0
 
 
-def test_kiln_bench_times_tensorrts_int8_form_beside_onnx_runtimes_and_names_an_unknown_precision(tmp_path):
+def test_kiln_bench_times_tensorrts_int8_form_beside_onnx_runtimes_and_names_an_unknown_precision(tmp_path, bench_cache):
     from components.engine_dir import load_engine_dir
 
+    # The model and its export as the test above's run left them (a second `kiln bench` in
+    # the same --work finds them there); the engines are this run's own.
+    for stage in ("model", "onnx"):
+        if (bench_cache / "tiny" / stage).is_dir():
+            shutil.copytree(bench_cache / "tiny" / stage, tmp_path / "work" / "tiny" / stage)
     args = ["--shape", "tiny", "--runs", "1", "--work", str(tmp_path / "work"), "--json", str(tmp_path / "bench.json")]
     result = kiln("bench", "--precisions", "int8,int8-qdq", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
