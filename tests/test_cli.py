@@ -20,7 +20,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from components.config import ServingParams
+from components.config import MonitoringParams, ServingParams
 from flows.cli import KilnCommand, app
 
 from .conftest import SIGNING, make_project, new_project_store, tiny_params
@@ -316,7 +316,9 @@ def served(tmp_path_factory):
     """A project under `kiln up` (both servers answering, stopped by SIGTERM at the end)."""
     root = make_project(tmp_path_factory.mktemp("cli") / "p")
     new_project_store(root)
-    write_params(root / "params.yaml", tiny_params(root, serving=ServingParams(port=free_port(), poll_interval_s=1)))
+    # Prometheus scrapes every second (params.yaml's 5 s otherwise): the dashboard's rates have their two samples sooner.
+    monitoring = MonitoringParams(scrape_interval="1s")
+    write_params(root / "params.yaml", tiny_params(root, serving=ServingParams(port=free_port(), poll_interval_s=1), monitoring=monitoring))
     serve_port = free_port()  # not serving.port: `kiln up --serve-port` says where kiln serve will listen
     with kiln_up(root, "--serve-port", str(serve_port), prometheus=PROMETHEUS is not None) as up:
         up.serve_port = serve_port
@@ -359,10 +361,10 @@ def check_prometheus_watches_kiln_serve(served, port: int) -> None:
     assert {"kiln-serve-recording", "kiln-serve-alerts"} <= set(groups)
     assert any(r["name"] == "KilnRequestLatencyOverBudget" for r in groups["kiln-serve-alerts"]["rules"])
     exprs = [t["expr"] for p in monitoring.dashboard()["panels"] for t in p.get("targets") or [] if "kiln_gpu_" not in t["expr"]]
-    deadline = time.monotonic() + 60  # rates need two scrapes (5 s apart) inside their window
+    deadline = time.monotonic() + 60  # rates need two scrapes (monitoring.scrape_interval apart) inside their window
     empty = exprs
     while empty and time.monotonic() < deadline:
-        time.sleep(2)
+        time.sleep(1)
         empty = [e for e in exprs if not prometheus_query(served, e.replace("$__rate_interval", "1m").replace("$version", ".*"))]
     assert not empty, f"dashboard queries without data: {empty}"
 
