@@ -307,6 +307,20 @@ def test_an_untied_lm_head_keeps_its_float_rows_for_the_rescoring(tmp_path):
     assert_top_logits_are_exact(logits, hidden @ weight, 8)
 
 
+def test_blocks_asked_for_some_nodes_quantize_those_alone(exported, tmp_path):
+    """The LM head's own bits are applied to the head's nodes alone: ONNX Runtime's
+    quantizer, given nodes to include, also quantizes every other MatMul it finds."""
+    from components.precision import _Blocks, _lm_head_nodes, _prepared
+
+    model = _prepared(exported.path, tmp_path / "prepared.onnx")
+    floats = {n.name for n in model.graph.node if n.op_type == "MatMul"}
+    heads = _lm_head_nodes(model)
+    assert heads and len(floats) > len(heads)
+    model = _Blocks(32, symmetric=True, accuracy_level=4).apply(model, 8, include=heads)
+    assert {n.name for n in model.graph.node if n.op_type == "MatMulNBits"} == {f"{h}_Q8" for h in heads}
+    assert {n.name for n in model.graph.node if n.op_type == "MatMul"} == floats - set(heads)
+
+
 def test_rescoring_a_float_lm_head_is_refused_naming_both_settings():
     from pydantic import ValidationError
 
