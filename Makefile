@@ -10,8 +10,9 @@ run: $(STAMP)
 	$(VENV)/bin/kiln run
 
 # Two workers, a test file each at a time (module fixtures such as `kiln up` stay shared
-# within a file): the suite waits on servers and subprocesses as much as it computes. The
-# longest files go first (tests/conftest.py), not the ones with the most tests.
+# within a file); the suite keeps both cores of a 2-core machine busy, so what shortens it is
+# less computing, not more workers. The longest files go first (tests/conftest.py), not the
+# ones with the most tests.
 # The suite starts some 150 Python processes (kiln verbs, servers, flow runs, engine
 # processes), each importing kiln's own modules: compiled here once, not in every one of them
 # (where PYTHONDONTWRITEBYTECODE is set, nothing else writes their bytecode; see $(UV) below).
