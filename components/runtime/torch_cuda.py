@@ -292,7 +292,8 @@ class TorchCudaEngine(Engine):
 # The widest hidden size the one-row Triton step's tiles were measured at (GPT-2-small 768,
 # SmolLM2 576; docs/performance.md#on-the-gpu). At Llama-3.1-8B's 4096 its whole-row tiles
 # and 4-column down-projection tiles read the weights at a fraction of the card's bandwidth
-# (5.2x the read floor on an H200 against the compiled step's 1.6x): wider models take that step.
+# (5.2x the read floor on an H200, where HF's compiled static cache took 1.6x; kiln's compiled
+# step took 1.29x on an H100): wider models take the compiled step.
 TRITON_STEP_MAX_HIDDEN = 1024
 
 
