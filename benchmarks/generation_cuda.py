@@ -142,6 +142,9 @@ def torch_cuda_engine(model_dir: Path, out_root: Path, slots: int, setup: BenchS
     from components.families import shape_of
     from components.model_dir import model_from_directory
 
+    # At least two slots: the build exports the row dimension as dynamic (torch's Dim refuses
+    # min=1, max=1) and checks parity on a two-row batch; --batches 1 still times one row.
+    slots = max(2, slots)
     model = model_from_directory(model_dir)
     context = min(MAX_CONTEXT, shape_of(json.loads((model_dir / "config.json").read_text())).max_positions)
     profiles = ProfileParams(batch=ShapeRange(min=1, opt=1, max=slots), prompt=ShapeRange(min=1, opt=setup.prompt_tokens, max=128),
