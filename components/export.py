@@ -1,6 +1,11 @@
 """The export stage: a model directory of any family kiln builds (components.families) →
 ONNX with past key values, checked against PyTorch on a left-padded prompt (empty past)
-and on decode steps (with past)."""
+and on decode steps (with past).
+
+The model is traced on the meta device and its weights are written from the checkpoint one
+at a time (components.lazy_weights), so the graph is written without the model in memory;
+the parity check then loads the model in fp32 once, and frees it before ONNX Runtime loads
+the graph."""
 
 from __future__ import annotations
 
@@ -11,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from components.checkpoint import Checkpoint, parameter_keys
 from components.config import ExportParams, section_digest
 from components.engine_dir import LOGITS_POSITIONS
 from components.errors import ExportError
 from components.families import shape_of
 from components.files import stage_output
 from components.onnx_files import onnx_files, onnx_sha256
-from components.model_dir import TrainedModel, load_model
+from components.model_dir import TrainedModel, load_model, quiet_transformers, read_config
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -25,7 +31,7 @@ if TYPE_CHECKING:
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "6"  # 5: attention as eager matmuls, not SDPA; 6: the mask built in a few ops
+STAGE_VERSION = "7"  # 6: the mask built in a few ops; 7: traced on meta, weights written from the checkpoint
 
 
 @dataclass(frozen=True)
@@ -106,11 +112,10 @@ def kv_layout_of(model) -> KVLayout:
 
 def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -> ExportedOnnx:
     """Export with a KV cache (dynamic batch, sequence and past length) and check parity."""
-    torch_model = _with_matmul_attention(_attending_to_the_whole_context(load_model(model.path)))
-    layout = kv_layout_of(torch_model)
-    build = lambda staging: _export(torch_model, layout, params.opset, staging / ONNX_FILE, params.external_data_above_mb)  # noqa: E731
+    layout = kv_layout_of(_meta_model(model.path)[0])
+    build = lambda staging: _export(model.path, params.opset, staging / ONNX_FILE, params.external_data_above_mb)  # noqa: E731
     target = stage_output(out_root / f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{model.sha256[:12]}", ONNX_FILE, build)
-    parity = parity_against_torch(torch_model, target / ONNX_FILE, layout, params.parity_tolerance)
+    parity = onnx_parity(target / ONNX_FILE, layout, torch_reference(_export_ready(load_model(model.path)), layout), params.parity_tolerance)
     if not parity.passed:
         raise ExportError(
             f"ONNX export of {model.path} misses parity with PyTorch: max |Δlogits| "
@@ -118,6 +123,34 @@ def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -
             f"tolerance {parity.tolerance:g} (off by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) - parity.tolerance:.3g})"
         )
     return ExportedOnnx(path=target / ONNX_FILE, sha256=onnx_sha256(target / ONNX_FILE), opset=params.opset, layout=layout, parity=parity)
+
+
+def _export_ready(model):
+    """The model as the graph computes it: eager attention over the whole context."""
+    return _with_matmul_attention(_attending_to_the_whole_context(model))
+
+
+def _meta_model(path: Path):
+    """The model of `path` with its parameters on the meta device (no memory) and tied as
+    saved; its buffers (the rotary frequencies, computed at init) moved to meta too, and
+    returned by their name in the exported graph to be written from the CPU copies."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet_transformers()
+    read_config(path)  # a clear error for a directory without a config
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32)
+    model.tie_weights()  # init_empty_weights registers the parameters again, untied
+    buffers = {}
+    for prefix, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                # A CPU buffer beside meta inputs would trace a device copy into the graph.
+                buffers[f"model.{prefix}.{name}" if prefix else f"model.{name}"] = buffer.clone()
+                module._buffers[name] = buffer.to("meta")
+    return _export_ready(model.eval()), buffers
 
 
 def _attending_to_the_whole_context(model):
@@ -188,12 +221,18 @@ def _additive_mask(attention_mask, new_tokens: int, dtype):
     return torch.where(seen, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
 
 
-def _export(model, layout: KVLayout, opset: int, path: Path, external_above_mb: int) -> None:
+def _export(model_dir: Path, opset: int, path: Path, external_above_mb: int) -> None:
+    """The graph traced on the meta device, its weights bound to the checkpoint's tensors
+    and written one at a time (external where they pass `external_above_mb`)."""
     import torch
     from torch.export import Dim
 
+    from components.lazy_weights import bind_parameters, fold_weight_transposes  # onnx_ir: loaded when exporting
+
+    model, buffers = _meta_model(model_dir)
+    layout = kv_layout_of(model)
     batch, sequence, past, total = Dim("batch"), Dim("sequence"), Dim("past_sequence"), Dim("total_sequence")
-    example = _example_inputs(layout, batch=2, sequence=3, past=2)
+    example = [t.to("meta") for t in _example_inputs(layout, batch=2, sequence=3, past=2)]
     shapes = (
         {0: batch, 1: sequence},
         {0: batch, 1: total},  # torch.export derives total = past + sequence from the graph
@@ -211,11 +250,17 @@ def _export(model, layout: KVLayout, opset: int, path: Path, external_above_mb: 
                 dynamic_shapes=shapes,
                 opset_version=opset,
                 dynamo=True,
+                optimize=False,  # after the weights are bound: the optimizer folds constants
                 verbose=False,
             )
     except Exception as err:  # torch.export raises a zoo of types; all mean "export failed"
         raise ExportError(f"torch.onnx.export of the model failed: {type(err).__name__}: {err}") from err
     _drop_stack_traces(program.model)
+    checkpoint = Checkpoint(model_dir)
+    keys = {f"model.{name}": key for name, key in parameter_keys(model, checkpoint).items()}  # as _kv_wrapper holds it
+    bind_parameters(program.model.graph, checkpoint, keys, buffers)
+    fold_weight_transposes(program.model.graph)
+    program.optimize()
     weights = sum(value.const_value.nbytes for value in program.model.graph.initializers.values() if value.const_value is not None)
     program.save(str(path), external_data=weights > external_above_mb << 20)  # beside it in model.onnx.data (components.onnx_files)
 
@@ -253,38 +298,57 @@ def _example_inputs(layout: KVLayout, batch: int, sequence: int, past: int) -> l
     return [ids, mask, positions, kept, *kv]
 
 
+@dataclass(frozen=True)
+class _Reference:
+    """PyTorch's logits for each feed of the parity check, the past left to the graph."""
+
+    feeds: list[dict]  # without past key values
+    logits: list  # numpy, one per feed
+    real: object  # numpy bool mask of the prompt's real (unpadded) positions
+
+
 def parity_against_torch(model, onnx_path: Path, layout: KVLayout, tolerance: float, decode_steps: int = 3) -> Parity:
     """Batch 3, left-padded prompt with an empty past, then greedy decode steps with the past."""
+    return onnx_parity(onnx_path, layout, torch_reference(model, layout, decode_steps), tolerance)
+
+
+def torch_reference(model, layout: KVLayout, decode_steps: int = 3) -> _Reference:
+    """PyTorch's logits for a batch of 3 left-padded prompts with an empty past, then greedy
+    decode steps with its own past: computed first, so the model can be freed before ONNX
+    Runtime loads the graph (both in memory at once was twice the weights)."""
     import numpy as np
-    import onnxruntime as ort
     import torch
 
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, layout.vocab_size, (3, 9), generator=generator)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
     mask[1, :1] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    empty = np.zeros((3, layout.num_kv_heads, 0, layout.head_dim), np.float32)
-    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
-    feeds |= {LOGITS_POSITIONS: np.arange(ids.shape[1])} | {name: empty for name in layout.past_names}
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    out = session.run(None, feeds)
-    real = mask.numpy().astype(bool)
-    prefill = float(np.abs(out[0] - ref.logits.numpy())[real].max())
-    decode = 0.0
-    cache, present = ref.past_key_values, out[1:]
-    for _ in range(decode_steps):
-        nxt = ref.logits[:, -1:].argmax(-1)
-        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-        positions = positions[:, -1:] + 1
+    feeds, logits, cache = [], [], None
+    for step in range(decode_steps + 1):
         with torch.no_grad():
-            ref = model(input_ids=nxt, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-        feeds = {"input_ids": nxt.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy()}
-        feeds |= {LOGITS_POSITIONS: np.zeros(1, np.int64)} | dict(zip(layout.past_names, present))
-        out = session.run(None, feeds)
-        decode = max(decode, float(np.abs(out[0] - ref.logits.numpy()).max()))
-        cache, present = ref.past_key_values, out[1:]
-    return Parity(prefill_max_abs_diff=prefill, decode_max_abs_diff=decode, tolerance=tolerance)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        kept = np.arange(ids.shape[1]) if step == 0 else np.zeros(1, np.int64)
+        feeds.append({"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": positions.numpy(), LOGITS_POSITIONS: kept})
+        logits.append(out.logits.numpy())
+        cache, ids = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        mask, positions = torch.cat([mask, torch.ones_like(ids)], dim=1), positions[:, -1:] + 1
+    return _Reference(feeds, logits, real=feeds[0]["attention_mask"].astype(bool))
+
+
+def onnx_parity(onnx_path: Path, layout: KVLayout, reference: _Reference, tolerance: float) -> Parity:
+    """Max |logits(ONNX Runtime) - logits(PyTorch)| of the reference's feeds, the graph's own
+    present key values fed back as its past."""
+    import numpy as np
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    past = {name: np.zeros((3, layout.num_kv_heads, 0, layout.head_dim), np.float32) for name in layout.past_names}
+    differences = []
+    for feed, expected in zip(reference.feeds, reference.logits, strict=True):
+        logits, *present = session.run(None, feed | past)
+        differences.append(np.abs(logits - expected))
+        past = dict(zip(layout.past_names, present))
+    decode = max((float(d.max()) for d in differences[1:]), default=0.0)
+    return Parity(prefill_max_abs_diff=float(differences[0][reference.real].max()), decode_max_abs_diff=decode, tolerance=tolerance)

@@ -92,3 +92,76 @@ def test_the_exported_graph_matches_pytorch_on_inputs_the_parity_check_never_saw
     assert np.abs(logits - expected).max() < 1e-4
     assert last.shape == (1, 1, expected.shape[-1])  # a prefill computes the last position's logits only
     assert np.abs(last[:, 0] - expected[:, -1]).max() < 1e-4
+
+
+def _graph_logits(path, layout):
+    import numpy as np
+    import onnxruntime as ort
+
+    ids = np.array([[7, 3, 99, 250, 12, 5]], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None], "logits_positions": np.arange(ids.shape[1])}
+    feeds |= {name: np.zeros((1, layout.num_kv_heads, 0, layout.head_dim), np.float32) for name in layout.past_names}
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+
+
+def test_the_export_writes_each_weight_from_the_checkpoint_once_without_loading_the_model(tmp_path, tiny_model, exported, monkeypatch):
+    """What lets a model bigger than memory in fp32 export: the graph is traced with no
+    weights, and each one is read from the weight files when it is written, then dropped."""
+    import collections
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from components.checkpoint import Checkpoint
+    from components.export import _export
+
+    reads, read, before_writing = collections.Counter(), Checkpoint.read, collections.Counter()
+    monkeypatch.setattr(Checkpoint, "read", lambda self, key: reads.update([key]) or read(self, key))
+    save = torch.onnx.ONNXProgram.save
+    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", lambda self, *a, **k: before_writing.update(reads) or save(self, *a, **k))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the export loaded the model's weights")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    _export(tiny_model.path, exported.opset, tmp_path / "model.onnx", 2047)
+    stored = Checkpoint(tiny_model.path)
+    big = {key for key in stored.files if read(stored, key).numel() > 8192}  # what the optimizer's constant folding skips
+    assert big and {key: reads[key] for key in big} == dict.fromkeys(big, 1)
+    assert not big & set(before_writing)  # read as written, not held from the start
+    assert np.array_equal(_graph_logits(tmp_path / "model.onnx", exported.layout), _graph_logits(exported.path, exported.layout))
+
+
+def test_torch_bin_weights_saved_without_the_base_models_prefix_export_the_same_graph(tmp_path, tiny_model, exported, reference):
+    """GPT-2's own checkpoints store `h.0.attn...` for `transformer.h.0.attn...` in
+    pytorch_model.bin, as many older models on the Hub do: transformers loads them, so must kiln."""
+    import shutil
+
+    import numpy as np
+    import torch
+
+    from components.export import _export
+
+    folder = tmp_path / "bin"
+    shutil.copytree(tiny_model.path, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    prefix = f"{reference.base_model_prefix}."
+    torch.save({name.removeprefix(prefix): t.clone() for name, t in reference.state_dict().items() if name != "lm_head.weight"}, folder / "pytorch_model.bin")
+    _export(folder, exported.opset, tmp_path / "model.onnx", 2047)
+    assert np.array_equal(_graph_logits(tmp_path / "model.onnx", exported.layout), _graph_logits(exported.path, exported.layout))
+
+
+def test_weight_files_missing_a_parameter_are_refused_naming_it(tmp_path, tiny_model, exported):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from components.export import _export
+
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_model.path, folder)
+    weights = load_file(folder / "model.safetensors")
+    dropped = next(key for key in weights if key.endswith("mlp.c_fc.weight"))
+    save_file({k: v for k, v in weights.items() if k != dropped}, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ExportError, match=rf"no tensor for 1 of the model's parameters \({dropped}"):
+        _export(folder, exported.opset, tmp_path / "model.onnx", 2047)
