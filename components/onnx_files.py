@@ -15,6 +15,7 @@ from components.files import file_sha256, text_sha256
 
 if TYPE_CHECKING:
     import onnx
+    import onnx_ir
 
 DATA_SUFFIX = ".data"  # where torch's exporter puts a big graph's weights too: model.onnx.data
 PROTOBUF_LIMIT_MB = 2047  # 2 GiB - 1 byte, in MiB rounded down: what one ONNX file may hold
@@ -55,3 +56,28 @@ def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False, extern
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data_file(path).name, size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
+
+
+def save_ir(model: onnx_ir.Model, path: Path, external: bool = False, external_above_mb: int = PROTOBUF_LIMIT_MB) -> None:
+    """`save_onnx` for an onnx_ir model, whose tensors may be read from disk or computed as
+    they are written (components.weight_blocks): each one is in memory while it is written."""
+    import onnx_ir
+
+    weights = sum(value.const_value.nbytes for value in model.graph.initializers.values() if value.const_value is not None)
+    if external or weights > external_above_mb * _MIB:
+        written: list = []
+        onnx_ir.save(model, str(path), external_data=data_file(path).name, size_threshold_bytes=1024, callback=lambda tensor, _: _release(written, tensor))
+        _release(written, None)
+    else:
+        onnx_ir.save(model, str(path))
+
+
+def _release(written: list, upcoming: onnx_ir.TensorProtocol | None) -> None:
+    """The tensor written before `upcoming` unmapped (the writer calls back before each write):
+    a source's external data read through mmap stays resident until released."""
+    while written:
+        release = getattr(written.pop(), "release", None)
+        if release is not None:
+            release()
+    if upcoming is not None:
+        written.append(upcoming)

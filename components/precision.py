@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 
 from components.calibrate import CalibrationSet
 from components.config import TORCH_CUDA_ONLY_PRECISIONS, Fp16Params, Int4Params, Int8Params, PrecisionParams, section_digest
@@ -24,13 +25,14 @@ from components.engine_dir import LOGITS_POSITIONS
 from components.errors import BuildError
 from components.export import ExportedOnnx
 from components.files import stage_output
-from components.onnx_files import data_file, has_external_data, onnx_files, onnx_sha256, save_onnx
+from components.onnx_files import data_file, has_external_data, onnx_files, onnx_sha256, save_ir, save_onnx
 from components.progress import stage_progress
+from components.weight_blocks import Blocks, FloatHead, gemms_as_matmuls, lm_head_nodes, to_matmul_nbits, weight_matmuls
 
 ONNX_FILE = "model.onnx"
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
-STAGE_VERSION = "8"  # 7: int8 blocks; 8: int4's LM head rescores its top logits
+STAGE_VERSION = "9"  # 8: int4's LM head rescores its top logits; 9: blocks packed a weight at a time, from the export
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,9 @@ def int4_weight_only_onnx(source: Path, params: Int4Params, output: Path) -> Non
     `block_size` weights along the input), the LM head with `lm_head_bits` and its top
     `lm_head_rescore_top` logits computed again from its float weights; everything else as
     it was."""
-    blocks = _Blocks(params.block_size, params.symmetric, params.accuracy_level)
-    quantize = lambda model, heads: blocks.apply(model, 4, exclude=heads)  # noqa: E731
-    _weight_blocks_onnx(source, output, quantize, blocks, params.lm_head_bits, params.lm_head_rescore_top)
+    blocks = Blocks(4, params.block_size, params.symmetric, params.accuracy_level)
+    body = lambda graph, heads: [node for node in weight_matmuls(graph) if node not in heads]  # noqa: E731
+    _weight_blocks_onnx(source, output, body, blocks, params.lm_head_bits, params.lm_head_rescore_top)
 
 
 def int8_blocks_onnx(source: Path, params: Int8Params, output: Path) -> None:
@@ -117,157 +119,33 @@ def int8_blocks_onnx(source: Path, params: Int8Params, output: Path) -> None:
     `keep_float` names stay float. Nothing is calibrated: each block's scale is its own.
     A SwiGLU down projection is quantized too: what kept it float under Q/DQ, its input's
     outliers under one scale per tensor, is gone with a scale per block."""
-    blocks = _Blocks(params.block_size, symmetric=True, accuracy_level=4)
     per_block = params.model_copy(update={"keep_float": params.keep_float.model_copy(update={"swiglu_down": False})})
-    _weight_blocks_onnx(source, output, lambda model, heads: blocks.apply(model, 8, exclude=nodes_kept_float(model, per_block)), blocks, None)
+
+    def quantized(graph: ir.Graph, heads: list[ir.Node]) -> list[ir.Node]:
+        kept = set(nodes_kept_float(graph, per_block))
+        return [node for node in weight_matmuls(graph) if node.name not in kept]
+
+    _weight_blocks_onnx(source, output, quantized, Blocks(8, params.block_size, symmetric=True, accuracy_level=4), None)
 
 
 def _weight_blocks_onnx(
-    source: Path, output: Path, quantize: Callable, blocks: _Blocks, lm_head_bits: int | None, rescore_top: int = 0
+    source: Path, output: Path, quantized: Callable[[ir.Graph, list[ir.Node]], list[ir.Node]], blocks: Blocks, lm_head_bits: int | None, rescore_top: int = 0
 ) -> None:
-    """The graph constant-folded first, as for Q/DQ: a tied LM head's weight (a Transpose of
-    the embedding) becomes an initializer that can be quantized; left float it was the
-    largest read of a decode step (GPT-2-small: 154 MB of 243). Then `quantize(model, the LM
-    head's nodes)`, the LM head with `lm_head_bits` where it was left out, and its top
-    `rescore_top` logits rescored from its float weights."""
-    import logging
-
-    model = _prepared(source, output.with_name("prepared.onnx"))
-    _gemms_as_matmuls(model)
-    heads = _lm_head_nodes(model)
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node otherwise
-    model = quantize(model, heads)
-    if lm_head_bits is not None and heads:
-        float_heads = [_FloatHead.of(model, name) for name in heads] if rescore_top else []
-        model = blocks.apply(model, lm_head_bits, include=heads)
+    """`quantized(graph, the LM head's nodes)` as MatMulNBits of `blocks`, then the LM head
+    with `lm_head_bits` where it was left out, and its top `rescore_top` logits rescored from
+    its float weights. The source's weights stay on disk until each is written (external
+    data is read a tensor at a time): one weight in memory, not the model twice."""
+    model = ir.load(str(source))
+    gemms_as_matmuls(model.graph)
+    heads = lm_head_nodes(model.graph)
+    to_matmul_nbits(model, quantized(model.graph, heads), blocks)
+    remaining = [head for head in heads if head.graph is not None and head.op_type == "MatMul"]
+    if lm_head_bits is not None and remaining:
+        float_heads = [FloatHead.of(model.graph, head) for head in remaining] if rescore_top else []
+        to_matmul_nbits(model, remaining, replace(blocks, bits=lm_head_bits))
         for head in float_heads:
-            head.rescore_top(model, rescore_top)
-    save_onnx(model, output, external=has_external_data(source))
-
-
-def _prepared(source: Path, prepared: Path):
-    """The graph after ONNX Runtime's pre-processing for quantization (symbolic shapes,
-    constants folded), loaded; its files removed. External data stays external: a graph past
-    2 GB cannot be written otherwise, and ONNX Runtime would go on without the optimization."""
-    import onnx as onnx_lib
-
-    _pre_process(source, prepared)
-    model = onnx_lib.load(str(prepared))
-    for file in onnx_files(prepared):
-        file.unlink()
-    return model
-
-
-def _pre_process(source: Path, prepared: Path) -> bool:
-    """ONNX Runtime's pre-processing for quantization, `source` → `prepared`: symbolic shape
-    inference, or ops whose shapes ORT cannot infer stay uncalibrated; constant folding (ORT's
-    basic level: standard ONNX ops only), so a weight reached through a Transpose (the tied
-    lm_head) becomes an initializer that is quantized once instead of on every step.
-    auto_merge: the mask's key axis (the input's total_sequence) is the cache's past +
-    sequence. Whether the weights are external, as in `source`."""
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    external = has_external_data(source)
-    quant_pre_process(str(source), str(prepared), skip_optimization=False, auto_merge=True, save_as_external_data=external,
-                      all_tensors_to_one_file=True, external_data_location=data_file(prepared).name)  # fmt: skip
-    return external
-
-
-@dataclass(frozen=True)
-class _FloatHead:
-    """An LM head's MatMul before quantization: what its input and output are called and its
-    weight as rows, one per token (the tied embedding's own table where there is one)."""
-
-    hidden: str
-    logits: str
-    rows: np.ndarray  # (vocab, hidden)
-    table: str | None  # an initializer that holds `rows` already
-
-    @classmethod
-    def of(cls, model, name: str) -> _FloatHead:
-        from onnx import numpy_helper
-
-        node = next(n for n in model.graph.node if n.name == name)
-        initializers = {i.name: i for i in model.graph.initializer}
-        rows = numpy_helper.to_array(initializers[node.input[1]]).T
-        tied = [
-            i.name for i in initializers.values() if list(i.dims) == list(rows.shape) and np.array_equal(numpy_helper.to_array(i), rows)
-        ]
-        return cls(node.input[0], node.output[0], rows, tied[0] if tied else None)
-
-    def rescore_top(self, model, top: int) -> None:
-        """The quantized head's `top` highest logits of each position replaced by the float
-        weights' (TopK, their rows gathered, one small MatMul, ScatterElements), in place.
-        Greedy and top-k picks then see the float head's logits: blocks that keep the head's
-        ranking are enough, while the float head would be the step's largest read."""
-        from onnx import helper, numpy_helper
-
-        approx, stem = f"{self.logits}_quantized", f"{self.logits}_rescore"
-        at = next(i for i, n in enumerate(model.graph.node) if self.logits in n.output)
-        quantized = model.graph.node[at]
-        quantized.output[0] = approx
-        table = self.table or f"{stem}_rows"
-        if self.table is None:  # an untied head: its float rows kept beside the blocks
-            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(self.rows), table))
-        count = min(top, len(self.rows))
-        model.graph.initializer.extend([numpy_helper.from_array(np.array([count], np.int64), f"{stem}_k"), numpy_helper.from_array(np.array([-1], np.int64), f"{stem}_last")])
-        nodes = [
-            helper.make_node("TopK", [approx, f"{stem}_k"], [f"{stem}_values", f"{stem}_ids"], axis=-1, sorted=0, name=f"{stem}_top"),
-            helper.make_node("Gather", [table, f"{stem}_ids"], [f"{stem}_weights"], axis=0, name=f"{stem}_gather"),  # (…, top, hidden)
-            helper.make_node("Unsqueeze", [self.hidden, f"{stem}_last"], [f"{stem}_column"], name=f"{stem}_column"),  # (…, hidden, 1)
-            helper.make_node("MatMul", [f"{stem}_weights", f"{stem}_column"], [f"{stem}_product"], name=f"{stem}_matmul"),
-            helper.make_node("Squeeze", [f"{stem}_product", f"{stem}_last"], [f"{stem}_exact"], name=f"{stem}_exact"),
-            helper.make_node("ScatterElements", [approx, f"{stem}_ids", f"{stem}_exact"], [self.logits], axis=-1, name=stem),
-        ]
-        for offset, node in enumerate(nodes, start=1):
-            model.graph.node.insert(at + offset, node)
-
-
-@dataclass(frozen=True)
-class _Blocks:
-    """ONNX Runtime's MatMulNBits quantizer with one block setting."""
-
-    block_size: int
-    symmetric: bool
-    accuracy_level: int
-
-    def apply(self, model, bits: int, exclude: list[str] | None = None, include: list[str] | None = None):
-        from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
-        settings = {"block_size": self.block_size, "is_symmetric": self.symmetric, "accuracy_level": self.accuracy_level, "bits": bits}
-        config = DefaultWeightOnlyQuantConfig(**settings)
-        quantizer = MatMulNBitsQuantizer(model, **settings, nodes_to_exclude=exclude, nodes_to_include=include, algo_config=config)
-        quantizer.process()
-        return quantizer.model.model
-
-
-def _lm_head_nodes(model) -> list[str]:
-    """The MatMuls whose constant weight projects onto the vocabulary (the logits' last dim)."""
-    vocab = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
-    shapes = {i.name: list(i.dims) for i in model.graph.initializer}  # the dims alone: no copy of every weight
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and shapes.get(n.input[1], [0])[-1:] == [vocab]]
-
-
-def _gemms_as_matmuls(model) -> None:
-    """Gemm(x, W, b) with a constant W as MatMul(x, W) + b, in place. MatMulNBits replaces
-    MatMul only (ONNX Runtime's quantizer skips Gemm), and kiln's GPT-2 export writes its
-    linear layers as Gemm; the arithmetic is the same. Transposed or scaled Gemms stay."""
-    from onnx import helper
-
-    constants = {i.name for i in model.graph.initializer}
-    nodes = []
-    for node in model.graph.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        plain = attrs.get("transA", 0) == 0 and attrs.get("transB", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
-        if node.op_type != "Gemm" or not plain or node.input[1] not in constants:
-            nodes.append(node)
-            continue
-        product = node.output[0] if len(node.input) < 3 else f"{node.output[0]}_matmul"
-        nodes.append(helper.make_node("MatMul", node.input[:2], [product], name=f"{node.name}_MatMul"))
-        if len(node.input) == 3:
-            nodes.append(helper.make_node("Add", [product, node.input[2]], node.output[:1], name=f"{node.name}_Add"))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
+            head.rescore_top(model.graph, rescore_top)
+    save_ir(model, output, external=has_external_data(source))
 
 
 # ---------------------------------------------------------------- int8
@@ -337,21 +215,35 @@ class CalibrationFeeds:
 def int8_qdq_onnx(onnx: ExportedOnnx, calibration: CalibrationSet, params: Int8Params, output: Path) -> None:
     """Static Q/DQ quantization: symmetric int8 activations and weights (TensorRT needs
     zero point 0), per-channel weights, sensitive nodes left in float."""
-    import onnx as onnx_lib
     from onnxruntime.quantization import CalibrationMethod
 
     prepared = output.with_name("prepared.onnx")
     external = _pre_process(onnx.path, prepared)
-    model = onnx_lib.load(str(prepared), load_external_data=False)  # node names only
+    model = ir.load(str(prepared))  # node names only: external weights are not read
     methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy, "percentile": CalibrationMethod.Percentile}
     feeds = CalibrationFeeds(onnx, calibration)
     # The histogram collectors print a line per collection (one per feed here): keep stdout
     # for the progress bar.
     with stage_progress("int8 calibration", total=len(feeds)) as advance, contextlib.redirect_stdout(io.StringIO()):
         feeds.on_feed = lambda: advance(1, "")
-        _quantize(prepared, output, feeds, params, methods[params.calibration_method], nodes_kept_float(model, params), external)
+        _quantize(prepared, output, feeds, params, methods[params.calibration_method], nodes_kept_float(model.graph, params), external)
     for file in onnx_files(prepared):
         file.unlink()
+
+
+def _pre_process(source: Path, prepared: Path) -> bool:
+    """ONNX Runtime's pre-processing for quantization, `source` → `prepared`: symbolic shape
+    inference, or ops whose shapes ORT cannot infer stay uncalibrated; constant folding (ORT's
+    basic level: standard ONNX ops only), so a weight reached through a Transpose (the tied
+    lm_head) becomes an initializer that is quantized once instead of on every step.
+    auto_merge: the mask's key axis (the input's total_sequence) is the cache's past +
+    sequence. Whether the weights are external, as in `source`."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    external = has_external_data(source)
+    quant_pre_process(str(source), str(prepared), skip_optimization=False, auto_merge=True, save_as_external_data=external,
+                      all_tensors_to_one_file=True, external_data_location=data_file(prepared).name)  # fmt: skip
+    return external
 
 
 def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int8Params, method, kept_float: list[str], external: bool) -> None:
@@ -386,44 +278,44 @@ def _quantize(prepared: Path, output: Path, feeds: CalibrationFeeds, params: Int
     )
 
 
-def nodes_kept_float(model, params: Int8Params) -> list[str]:
+def nodes_kept_float(graph: ir.Graph, params: Int8Params) -> list[str]:
     """Names of the nodes that stay float: by op type, by name pattern, and (optionally)
     the attention-score MatMuls, found structurally: neither input is a weight, and a
     SwiGLU MLP's down projection: its input is silu(gate)·up."""
     patterns = [re.compile(p) for p in params.keep_float.name_patterns]
-    weights = _weight_tensors(model)
-    swiglu = _swiglu_products(model) if params.keep_float.swiglu_down else set()
+    weights = _weight_tensors(graph)
+    swiglu = _swiglu_products(graph) if params.keep_float.swiglu_down else set()
     kept = []
-    for node in model.graph.node:
+    for node in graph:
+        reads = {value.name for value in node.inputs if value is not None}
         if node.op_type in params.keep_float.op_types or any(p.search(node.name) for p in patterns):
             kept.append(node.name)
-        elif params.keep_float.attention_scores and node.op_type == "MatMul" and not set(node.input) & weights:
+        elif params.keep_float.attention_scores and node.op_type == "MatMul" and not reads & weights:
             kept.append(node.name)
-        elif node.op_type in ("MatMul", "Gemm") and node.input[0] in swiglu:
+        elif node.op_type in ("MatMul", "Gemm") and node.inputs[0].name in swiglu:
             kept.append(node.name)
     return kept
 
 
-def _swiglu_products(model) -> set[str]:
+def _swiglu_products(graph: ir.Graph) -> set[str]:
     """The outputs of Mul(silu(a), b), silu(a) being Mul(a, Sigmoid(a)): SwiGLU's gated product."""
-    producers = {out: node for node in model.graph.node for out in node.output}
 
-    def is_silu(name: str) -> bool:
-        node = producers.get(name)
+    def is_silu(value: ir.Value) -> bool:
+        node = value.producer()
         if node is None or node.op_type != "Mul":
             return False
-        sigmoids = [producers.get(i) for i in node.input]
-        return any(s is not None and s.op_type == "Sigmoid" and s.input[0] in node.input for s in sigmoids)
+        sigmoids = [i.producer() for i in node.inputs if i is not None]
+        return any(s is not None and s.op_type == "Sigmoid" and s.inputs[0] in node.inputs for s in sigmoids)
 
-    return {node.output[0] for node in model.graph.node if node.op_type == "Mul" and any(is_silu(i) for i in node.input)}
+    return {node.outputs[0].name for node in graph if node.op_type == "Mul" and any(i is not None and is_silu(i) for i in node.inputs)}
 
 
-def _weight_tensors(model) -> set[str]:
+def _weight_tensors(graph: ir.Graph) -> set[str]:
     """Initializers and what layout ops (Transpose, Reshape, Cast) make of them."""
-    weights = {init.name for init in model.graph.initializer}
-    for node in model.graph.node:  # graph order is topological
-        if node.op_type in {"Transpose", "Reshape", "Cast", "Identity"} and node.input and node.input[0] in weights:
-            weights.update(node.output)
+    weights = set(graph.initializers)
+    for node in graph:  # graph order is topological
+        if node.op_type in {"Transpose", "Reshape", "Cast", "Identity"} and node.inputs and node.inputs[0] is not None and node.inputs[0].name in weights:
+            weights.update(value.name for value in node.outputs)
     return weights
 
 

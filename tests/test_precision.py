@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 import onnx
+import onnx_ir
 import pytest
 from onnx import numpy_helper
 
@@ -134,15 +135,15 @@ def test_int8_weights_fit_in_seven_bits_so_no_cpu_saturates_their_sums(int8_grap
 def test_int8_leaves_layernorm_softmax_and_attention_scores_in_float(int8_graph, exported):
     model = onnx.load(str(int8_graph.onnx.path))
     produced_by = {o: n for n in model.graph.node for o in n.output}
-    kept = set(nodes_kept_float(onnx.load(str(exported.path)), Int8Params()))
+    kept = set(nodes_kept_float(onnx_ir.load(str(exported.path)).graph, Int8Params()))
     for node in model.graph.node:
         if node.name in kept or node.op_type in ("LayerNormalization", "Softmax"):
             assert all(produced_by.get(i) is None or produced_by[i].op_type != "DequantizeLinear" for i in node.input), node.name
 
 
 def test_attention_score_matmuls_are_found_without_names(exported):
-    model = onnx.load(str(exported.path))
-    found = nodes_kept_float(model, Int8Params(keep_float=KeepFloatParams(op_types=[], attention_scores=True)))
+    model = onnx_ir.load(str(exported.path))
+    found = nodes_kept_float(model.graph, Int8Params(keep_float=KeepFloatParams(op_types=[], attention_scores=True)))
     assert len(found) == 2 * exported.layout.num_layers  # Q·Kᵀ and attn·V per layer; lm_head is a weight
 
 
@@ -310,15 +311,36 @@ def test_an_untied_lm_head_keeps_its_float_rows_for_the_rescoring(tmp_path):
 def test_blocks_asked_for_some_nodes_quantize_those_alone(exported, tmp_path):
     """The LM head's own bits are applied to the head's nodes alone: ONNX Runtime's
     quantizer, given nodes to include, also quantizes every other MatMul it finds."""
-    from components.precision import _Blocks, _lm_head_nodes, _prepared
+    from components.weight_blocks import Blocks, gemms_as_matmuls, lm_head_nodes, to_matmul_nbits
 
-    model = _prepared(exported.path, tmp_path / "prepared.onnx")
-    floats = {n.name for n in model.graph.node if n.op_type == "MatMul"}
-    heads = _lm_head_nodes(model)
+    model = onnx_ir.load(str(exported.path))
+    gemms_as_matmuls(model.graph)
+    floats = {n.name for n in model.graph if n.op_type == "MatMul"}
+    heads = [n.name for n in lm_head_nodes(model.graph)]
     assert heads and len(floats) > len(heads)
-    model = _Blocks(32, symmetric=True, accuracy_level=4).apply(model, 8, include=heads)
-    assert {n.name for n in model.graph.node if n.op_type == "MatMulNBits"} == {f"{h}_Q8" for h in heads}
-    assert {n.name for n in model.graph.node if n.op_type == "MatMul"} == floats - set(heads)
+    to_matmul_nbits(model, lm_head_nodes(model.graph), Blocks(8, 32, symmetric=True, accuracy_level=4))
+    assert {n.name for n in model.graph if n.op_type == "MatMulNBits"} == {f"{h}_Q8" for h in heads}
+    assert {n.name for n in model.graph if n.op_type == "MatMul"} == floats - set(heads)
+
+
+def test_weight_blocks_are_packed_one_weight_at_a_time_as_the_graph_is_written(exported, tmp_path, monkeypatch):
+    """What lets an 8B int4 graph be written in a few GiB: no weight is read or packed before
+    the file is written, and each is packed once (its blocks, scales and zero points come
+    from one packing) as MatMulNBitsQuantizer would pack it."""
+    import onnx_ir
+
+    from components.config import Int4Params
+    from components.precision import int4_weight_only_onnx
+    from components.weight_blocks import Blocks
+
+    packed, pack, writing = [], Blocks.pack, []
+    monkeypatch.setattr(Blocks, "pack", lambda self, weight: packed.append(bool(writing)) or pack(self, weight))
+    save = onnx_ir.save
+    monkeypatch.setattr(onnx_ir, "save", lambda *a, **k: writing.append(True) or save(*a, **k))
+    int4_weight_only_onnx(exported.path, Int4Params(block_size=32, symmetric=False, lm_head_rescore_top=0), tmp_path / "int4.onnx")
+    nodes = [n for n in onnx.load(str(tmp_path / "int4.onnx")).graph.node if n.op_type == "MatMulNBits"]
+    assert all(len(n.input) == 4 for n in nodes)  # blocks, scales and zero points
+    assert packed == [True] * len(nodes)
 
 
 def test_rescoring_a_float_lm_head_is_refused_naming_both_settings():
