@@ -15,7 +15,7 @@ from components.build.ort_norms import fuse_rms_norms
 from components.build.packaging import BackendBuild, engine_folder, package_engine
 from components.config import BuildParams, section_digest
 from components.engine_dir import EngineDir, Lineage
-from components.onnx_files import has_external_data, save_onnx
+from components.onnx_files import has_external_data, save_ir
 from components.precision import PrecisionOnnx
 
 if TYPE_CHECKING:
@@ -40,21 +40,29 @@ def ort_engine_from_onnx(
 
 def write_engine_file(graph: PrecisionOnnx, path: Path) -> dict[str, bool]:
     """The engine file at `path`; whether its cache is appended in place (for the manifest).
-    A graph whose attention does not match the export's pattern keeps the export's attention."""
+    A graph whose attention does not match the export's pattern keeps the export's attention.
+    The graph is rewritten without its external weights, which are copied to the engine's
+    one at a time as it is written (a 1B int8 graph's stage peaked at 9.4 GiB loading them)."""
     import onnx
+    import onnx_ir as ir
+    from onnx_ir.external_data import set_base_dir
 
-    layout = graph.onnx.layout
-    model, in_place = ort_engine_graph(onnx.load(str(graph.onnx.path)), layout.num_heads, layout.num_kv_heads)
+    layout, source = graph.onnx.layout, graph.onnx.path
+    model = onnx.load(str(source), load_external_data=False)
+    model, in_place = ort_engine_graph(model, layout.num_heads, layout.num_kv_heads, str(source.parent))
     if not in_place:
-        log.warning("%s: attention not fused (its pattern differs from the export's); the cache grows by copies", graph.onnx.path)
-    save_onnx(model, path, external=has_external_data(graph.onnx.path))
+        log.warning("%s: attention not fused (its pattern differs from the export's); the cache grows by copies", source)
+    engine = ir.from_proto(model)
+    set_base_dir(engine.graph, source.parent)  # the weights still read from the precision graph's files
+    save_ir(engine, path, external=has_external_data(source))
     return {"kv_in_place": in_place}
 
 
-def ort_engine_graph(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> tuple[onnx.ModelProto, bool]:
-    """A precision graph rewritten for ONNX Runtime's kernels; whether attention was fused."""
-    fused = fuse_attention(model, num_heads, kv_heads)
-    read_unflattened(model)
-    pack_shared_inputs(model)
+def ort_engine_graph(model: onnx.ModelProto, num_heads: int, kv_heads: int, base_dir: str = "") -> tuple[onnx.ModelProto, bool]:
+    """A precision graph rewritten for ONNX Runtime's kernels; whether attention was fused.
+    `base_dir`: where its external weights are, for a graph loaded without them."""
+    fused = fuse_attention(model, num_heads, kv_heads, base_dir)
+    read_unflattened(model, base_dir)
+    pack_shared_inputs(model, base_dir)
     model, _ = fuse_rms_norms(model)
     return model, bool(fused)

@@ -94,11 +94,12 @@ def _layer_at(graph: Graph, softmax: onnx.NodeProto) -> _Layer | None:
     )  # fmt: skip
 
 
-def fuse_attention(model: onnx.ModelProto, num_heads: int, kv_heads: int) -> int:
+def fuse_attention(model: onnx.ModelProto, num_heads: int, kv_heads: int, base_dir: str = "") -> int:
     """Every layer's attention in `model` as GroupQueryAttention, in place; the number of
     layers fused. All or none: a graph where any layer's pattern differs is left as it was
-    (its cache then grows by Concat, which the runtime handles too)."""
-    graph = Graph(model.graph)
+    (its cache then grows by Concat, which the runtime handles too). `base_dir`: where the
+    weights are, for a model loaded without its external data."""
+    graph = Graph(model.graph, base_dir)
     if ATTENTION_MASK not in graph.inputs:
         return 0
     layers = [_layer_at(graph, node) for node in model.graph.node if node.op_type == "Softmax"]

@@ -13,8 +13,8 @@ Dim = int | str | None  # a size, a symbolic name, or unknown
 class Graph:
     """Lookups over one graph, built once; `rename_reads` keeps them current."""
 
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self.graph = graph
+    def __init__(self, graph: onnx.GraphProto, base_dir: str = "") -> None:
+        self.graph, self.base_dir = graph, base_dir  # where external data is, for a graph loaded without it
         self.producer = {out: node for node in graph.node for out in node.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for node in graph.node:
@@ -35,7 +35,7 @@ class Graph:
 
     def constant(self, name: str) -> np.ndarray | None:
         if name in self.initializers:
-            return numpy_helper.to_array(self.initializers[name])
+            return numpy_helper.to_array(self.initializers[name], self.base_dir)
         node = self.made_by(name, "Constant")
         return numpy_helper.to_array(node.attribute[0].t) if node is not None and node.attribute[0].name == "value" else None
 

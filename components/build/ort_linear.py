@@ -17,10 +17,10 @@ from onnx import numpy_helper
 from components.build.ort_graph import Graph, attribute, drop_unused, forget_shapes
 
 
-def read_unflattened(model: onnx.ModelProto) -> int:
+def read_unflattened(model: onnx.ModelProto, base_dir: str = "") -> int:
     """Every MatMulNBits between such views reads the unflattened activations, in place; the
-    number of layers rewritten."""
-    graph = Graph(model.graph)
+    number of layers rewritten. `base_dir`: where the weights are, for a model loaded without them."""
+    graph = Graph(model.graph, base_dir)
     changed = [_without_views(graph, node) for node in list(model.graph.node) if node.op_type == "MatMulNBits"]
     rewritten = [names for names in changed if names]
     if rewritten:
@@ -66,14 +66,14 @@ def _bias_add(graph: Graph, product: str) -> onnx.NodeProto | None:
     return readers[0] if constant is not None and constant.ndim == 1 else None
 
 
-def pack_shared_inputs(model: onnx.ModelProto) -> int:
+def pack_shared_inputs(model: onnx.ModelProto, base_dir: str = "") -> int:
     """Every group of MatMulNBits that read one tensor with the same settings (a Llama's q, k
     and v; its gate and up) as one node over their weights side by side, and a Split back
     into their outputs, in place; the number of nodes packed. One wide matmul reads the
     activations once and keeps both threads busy: SmolLM2's 30 layers of q, k and v alone,
     0.48 → 0.33 ms a token; gate and up 1.16 → 0.93 (docs/performance.md). Symmetric blocks
-    only: zero points pack several rows a byte."""
-    graph = Graph(model.graph)
+    only: zero points pack several rows a byte. `base_dir`: as read_unflattened's."""
+    graph = Graph(model.graph, base_dir)
     groups: dict[tuple, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         if node.op_type == "MatMulNBits" and len(node.input) == 3 and all(name in graph.initializers for name in node.input[1:]):
@@ -94,7 +94,7 @@ def _pack(proto: onnx.GraphProto, graph: Graph, group: list[onnx.NodeProto], nam
     """`group`'s weights and scales concatenated along N in one MatMulNBits, where the first
     of them was; a Split gives each its own output."""
     widths = [attribute(node, "N") for node in group]
-    weights, scales = ([numpy_helper.to_array(graph.initializers[node.input[i]]) for node in group] for i in (1, 2))
+    weights, scales = ([numpy_helper.to_array(graph.initializers[node.input[i]], graph.base_dir) for node in group] for i in (1, 2))
     proto.initializer.extend(
         [numpy_helper.from_array(np.concatenate(weights), f"{name}_weights"), numpy_helper.from_array(np.concatenate(scales), f"{name}_scales"),
          numpy_helper.from_array(np.array(widths, np.int64), f"{name}_widths")]
