@@ -86,37 +86,44 @@ def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, list[str]]:
     its name where neither params.yaml nor model.pretrained gives one) and checked against
     it: in seconds, before any work. The lines saying what was derived."""
     check_model_directory(model_dir)
-    check_build_memory(model_dir, machine_memory())
+    check_build_memory(model_dir, machine_memory(), _widest(params))
     params, note = with_model_context(params, model_dir)
     params, named = named_after(params, model_dir)
     check_fits_model_directory(model_dir, params.build.profiles, params.sample)
     return params, [line for line in (note, named) if line]
 
 
-# The stages hold the model in fp32 and convert it with libraries that copy it: the int4
-# precision stage of a Llama-3.2-1B shape peaked at 21.7 GiB for 4.6 GiB of fp32 weights (4.7x),
-# its export at 10.9 GiB (2.4x). Refusing past that beats the kernel's kill minutes in.
-BUILD_PEAK_PER_FP32_BYTE = 4.7
+# What the stages hold at their peak, per byte of the model's fp32 weights, measured on a
+# Llama-3.2-1B shape (docs/performance.md, "A model's size and the build's memory"): the
+# export's parity check loads the model in fp32 (transformers casts a bf16 checkpoint: 1.3x)
+# and then ONNX Runtime's session of the fp32 graph (the stage at 1.7x); the gates hold that
+# model beside the engine they run. The export, precision and engine stages write weights
+# one at a time; none holds the model twice.
+EXPORT_PEAK_PER_FP32_BYTE = 1.7
+REFERENCE_PER_FP32_BYTE = 1.3
 BUILD_PEAK_OVERHEAD = 1 * GIB  # Python, torch, ONNX Runtime and Prefect before any weights
 
 
-def build_memory(parameters: int) -> int:
-    """Bytes the stages need at their peak to build a model of `parameters` on this CPU."""
-    return int(parameters * 4 * BUILD_PEAK_PER_FP32_BYTE + BUILD_PEAK_OVERHEAD)
+def build_memory(parameters: int, widest: str = "fp32") -> int:
+    """Bytes the stages need at their peak to build a model of `parameters` on this CPU, its
+    widest engine in `widest`: the export's, or the gates' (the model in fp32 and the engine)."""
+    fp32 = parameters * 4
+    gates = fp32 * REFERENCE_PER_FP32_BYTE + parameters * BYTES_PER_WEIGHT[widest]
+    return int(max(fp32 * EXPORT_PEAK_PER_FP32_BYTE, gates) + BUILD_PEAK_OVERHEAD)
 
 
-def check_build_memory(model_dir: Path, memory: int) -> None:
+def check_build_memory(model_dir: Path, memory: int, widest: str = "fp32") -> None:
     """ConfigError, before any work, where the stages would need more memory than `memory`."""
-    check_parameters_fit(parameter_count(model_dir), memory, str(model_dir))
+    check_parameters_fit(parameter_count(model_dir), memory, str(model_dir), widest)
 
 
-def check_parameters_fit(parameters: int, memory: int, what: str) -> None:
-    needed = build_memory(parameters)
+def check_parameters_fit(parameters: int, memory: int, what: str, widest: str = "fp32") -> None:
+    needed = build_memory(parameters, widest)
     if needed > memory:
         raise ConfigError(
             f"{what} is too big to build here: {parameters / 1e9:.2f}B parameters need about {needed / GIB:.1f} GiB "
-            f"at the stages' peak (they convert the model in fp32), and this machine has {memory / GIB:.1f} GiB; "
-            f"build it on a machine with more memory"
+            f"at the stages' peak (the export and the gates compute the model in fp32, the gates beside its {widest} engine), "
+            f"and this machine has {memory / GIB:.1f} GiB; build it on a machine with more memory"
         )
 
 

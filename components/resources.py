@@ -29,9 +29,11 @@ class Usage:
     seconds: float = 0.0
     peak_bytes: int = 0
     since_start: bool = False  # the peak is the process's since it started (no per-stage reset here)
+    start_bytes: int = 0  # resident when the stage began: what earlier stages left, part of the peak
 
     def text(self) -> str:
-        peak = f"peak memory {self.peak_bytes / GIB:.1f} GiB" + (" (of the process so far)" if self.since_start else "")
+        held = f" ({self.start_bytes / GIB:.1f} GiB held when it began)" if self.start_bytes >= GIB else ""
+        peak = f"peak memory {self.peak_bytes / GIB:.1f} GiB" + (" (of the process so far)" if self.since_start else held)
         minutes, seconds = divmod(round(self.seconds), 60)
         return f"{f'{minutes} min ' if minutes else ''}{seconds} s, {peak}"
 
@@ -41,7 +43,7 @@ def measured() -> Iterator[Usage]:
     """Time the block and the process's peak resident memory within it: Linux resets the
     peak (VmHWM) on writing 5 to /proc/self/clear_refs; elsewhere the process's lifetime peak
     is all there is, and the usage says so."""
-    usage = Usage(since_start=not _reset_peak())
+    usage = Usage(since_start=not _reset_peak(), start_bytes=_status_bytes("VmRSS:"))
     start = time.perf_counter()
     try:
         yield usage
@@ -59,9 +61,11 @@ def _reset_peak() -> bool:
 
 
 def _peak_bytes() -> int:
+    return _status_bytes("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _status_bytes(key: str) -> int:
+    """A size from /proc/self/status (Linux); 0 elsewhere."""
     status = Path("/proc/self/status")
     lines = status.read_text().splitlines() if status.is_file() else []
-    for line in lines:
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith(key)), 0)

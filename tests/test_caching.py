@@ -103,3 +103,7 @@ def test_a_stages_peak_memory_is_its_own_not_the_stage_befores():
         pytest.skip("this kernel keeps no resettable peak (/proc/self/clear_refs)")
     assert big.peak_bytes - small.peak_bytes >= 200 << 20
     assert big.text().startswith("0 s, peak memory") and "GiB" in big.text()
+    held = np.ones(1100 << 20, np.uint8)  # what an earlier stage of the same process kept
+    with measured() as later:
+        pass
+    assert later.start_bytes >= held.nbytes and "GiB held when it began" in later.text()
