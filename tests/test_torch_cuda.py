@@ -528,7 +528,7 @@ def family_dirs(tmp_path_factory):
     return dirs
 
 
-def family_engine(model_dir, root, precision: str = "fp32", device: str = "cpu"):
+def family_engine(model_dir, root, precision: str = "fp32", device: str = "cpu", slots: int = 4):
     from components.build.torch_cuda import torch_engine_from_model
     from components.config import ProfileParams, ShapeRange
     from components.engine_dir import Lineage
@@ -536,8 +536,20 @@ def family_engine(model_dir, root, precision: str = "fp32", device: str = "cpu")
 
     # The model's own digest: it names the engine folder, one per model.
     lineage = Lineage(source_model_path=str(model_dir), source_model_sha256=model_from_directory(model_dir).sha256, onnx_sha256="-", data_md5="-")
-    profiles = ProfileParams(batch=ShapeRange(min=1, opt=1, max=4), context=ShapeRange(min=2, opt=64, max=128))
+    profiles = ProfileParams(batch=ShapeRange(min=1, opt=1, max=slots), context=ShapeRange(min=2, opt=64, max=128))
     return torch_engine_from_model(model_dir, precision, lineage, profiles, root, device=device)
+
+
+def test_an_engine_of_one_slot_builds_and_generates_what_hugging_face_does(family_dirs, tmp_path):
+    """build.profiles.batch.max 1 (one sequence at a time, or all a small card holds): the
+    program's row count is then a fixed 1, which torch.export cannot take as a dynamic size."""
+    from components.runtime import open_engine
+
+    engine_dir = family_engine(family_dirs["llama"], tmp_path, slots=1)
+    assert engine_dir.manifest.profiles["generation"].batch.max == 1
+    with open_engine(engine_dir) as engine:
+        tokens = engine.generate(FAMILY_PROMPTS[:1], Sampling(max_new_tokens=6, stop_at_eos=False))
+    assert tokens == hf_greedy_tokens(hf_reference(family_dirs["llama"]), FAMILY_PROMPTS[:1], 6)
 
 
 @pytest.fixture(scope="module")

@@ -225,12 +225,13 @@ def export_program(model, num_slots: int, max_context: int):
     positions = torch.arange(tokens, device=device).expand(batch, tokens).contiguous()
     bias = causal_bias(positions, torch.arange(attended, device=device), dtype)
     picked = torch.arange(2, device=device).expand(batch, 2).contiguous()
-    rows, width = Dim("rows", min=1, max=num_slots), Dim("tokens", min=1, max=max_context)
+    width = Dim("tokens", min=1, max=max_context)
+    rows = {0: Dim("rows", min=1, max=num_slots)} if num_slots > 1 else {}  # one slot: one row, a static size
     dynamic = {
-        "input_ids": {0: rows, 1: width},
-        "positions": {0: rows, 1: width},
-        "attn_bias": {0: rows, 2: width, 3: Dim("attended", min=1, max=max_context)},
-        "picked": {0: rows, 1: Dim("picked", min=1, max=max_context)},
+        "input_ids": rows | {1: width},
+        "positions": rows | {1: width},
+        "attn_bias": rows | {2: width, 3: Dim("attended", min=1, max=max_context)},
+        "picked": rows | {1: Dim("picked", min=1, max=max_context)},
         "k_cache": None,
         "v_cache": None,
     }
@@ -242,27 +243,28 @@ def export_program(model, num_slots: int, max_context: int):
 
 def program_parity(program, hf, num_slots: int, max_context: int, device: str, tolerance: float, decode_steps: int = 3) -> ParityRecord:
     """Largest logit difference between the program and the Hugging Face model (in the dtype
-    it was saved in): every position of a two-row prompt batch, then `decode_steps` greedy
-    steps on the cache."""
+    it was saved in): every position of a two-row prompt batch (one row for a one-slot
+    program), then `decode_steps` greedy steps on the cache."""
     import torch
 
     from components.runtime.static_kv import causal_bias, new_cache, static_shape
 
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, hf.config.vocab_size, (2, 7), generator=generator)
-    steps = torch.randint(0, hf.config.vocab_size, (2, decode_steps), generator=generator)
+    rows = min(2, num_slots)
+    prompt = torch.randint(0, hf.config.vocab_size, (rows, 7), generator=generator)
+    steps = torch.randint(0, hf.config.vocab_size, (rows, decode_steps), generator=generator)
     weight = next(program.parameters())
     k_cache, v_cache = new_cache(static_shape(hf.config), num_slots, max_context, weight.dtype, weight.device)  # the program's own cache shape
     keys = torch.arange(max_context, device=device)
     with torch.no_grad():
         reference = hf(torch.cat([prompt, steps], dim=1)).logits.float()
         P = prompt.shape[1]
-        positions = torch.arange(P, device=device).expand(2, P)
+        positions = torch.arange(P, device=device).expand(rows, P)
         ours = program(prompt.to(device), positions, causal_bias(positions, keys, weight.dtype), positions, k_cache, v_cache)
         prefill = float((ours.float().cpu() - reference[:, :P]).abs().max())
         decode = 0.0
         for step in range(decode_steps):
-            at = torch.full((2, 1), P + step, device=device)
+            at = torch.full((rows, 1), P + step, device=device)
             logits = program(steps[:, step : step + 1].to(device), at, causal_bias(at, keys, weight.dtype), torch.zeros_like(at), k_cache, v_cache)
             decode = max(decode, float((logits[:, 0].float().cpu() - reference[:, P + step]).abs().max()))
     return ParityRecord(prefill_max_abs_diff=prefill, decode_max_abs_diff=decode, tolerance=tolerance)
