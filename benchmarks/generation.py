@@ -84,9 +84,10 @@ class BenchSetup:
     seed: int = 0
 
 
-def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0) -> Path:
+def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0, widest: str = "fp32") -> Path:
     """A model directory of `shape` with random weights (and non-zero biases, as a trained
-    model has) plus a small BPE tokenizer so it is a complete model directory."""
+    model has) plus a small BPE tokenizer so it is a complete model directory; refused before
+    any work where its build, `widest` its widest engine, cannot fit this machine."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -99,7 +100,7 @@ def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0
     family, config = shape["family"], {k: v for k, v in shape.items() if k != "family"}
     with torch.device("meta"):  # counted before gigabytes are drawn: refused here, named, not killed midway
         parameters = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).num_parameters()
-    check_parameters_fit(parameters, machine_memory(), f"the {shape_name(shape)} bench model")
+    check_parameters_fit(parameters, machine_memory(), f"the {shape_name(shape)} bench model", widest)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).eval()
     return saved_with_tokenizer(model, directory)
 
@@ -227,8 +228,10 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
     from components.data import DataVersion
     from components.export import onnx_from_model
     from components.model_dir import model_from_directory
+    from components.model_fit import BYTES_PER_WEIGHT
 
-    model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed))
+    widest = max((VARIANTS.get(p, (p,))[0] for p in precisions), key=BYTES_PER_WEIGHT.__getitem__)
+    model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed, widest))
     # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
     onnx = onnx_from_model(model, ExportParams(parity_tolerance=1e-3), work / "onnx")
     calibration = benchmark_calibration(work, shape["vocab_size"], setup)

@@ -533,10 +533,17 @@ def gate_report(engine: Engine, reference, eval_texts: list[str], params: GatePa
     the engine as kiln serve runs it, with `served_threads` (serving.threads)."""
     tokenizer = EngineTokenizer(engine.engine_dir.path)
     windows = eval_windows(tokenizer, eval_texts, params.quality)
-    quality = quality_gate(engine, reference, windows, params.quality, confidence=params.confidence)
-    text = text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text, params.confidence)
+    quality = with_reference_dtype(quality_gate(engine, reference, windows, params.quality, confidence=params.confidence), reference)
+    text = with_reference_dtype(text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text, params.confidence), reference)
     latency = latency_gate_as_served(engine.engine_dir.path, latency_prompt(windows, params.latency.prompt_tokens), params.latency, served_threads)
     return GateReport((quality, text, latency), machine_description(engine.manifest.target))
+
+
+def with_reference_dtype(result: GateResult, reference) -> GateResult:
+    """`result` saying what the PyTorch model it compared against computed in: fp32, or the
+    dtype the model was saved in where fp32 did not fit the machine."""
+    dtype = str(next(reference.parameters()).dtype).removeprefix("torch.")
+    return replace(result, conditions=result.conditions | {"reference": f"PyTorch, {dtype}"})
 
 
 def latency_gate_as_served(engine_path: Path, prompt: list[int], params: LatencyGateParams, threads: int | None) -> GateResult:
@@ -598,22 +605,28 @@ def _plot_latency(gate: GateResult, path: Path) -> None:
 
 
 def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
-    """Gate one engine directory against the PyTorch model directory it came from; its
-    latency as served with `served_threads` (serving.threads)."""
+    """Gate one engine directory against the PyTorch model directory it came from (in fp32
+    where that fits: components.model_fit.reference_dtype); its latency as served with
+    `served_threads` (serving.threads)."""
     from components.model_dir import load_model
+    from components.model_fit import reference_dtype
+    from components.resources import machine_memory
     from components.runtime import load_engine
 
     with load_engine(engine_path) as engine:
-        return gate_report(engine, load_model(reference_path), eval_texts, params, served_threads)
+        return gate_report(engine, load_model(reference_path, reference_dtype(reference_path, machine_memory())), eval_texts, params, served_threads)
 
 
 def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams, confidence: float) -> GateResult:
     """The quality gate alone, for an engine already open (what `verify-promotion` re-runs
     on the machine it runs on)."""
     from components.model_dir import load_model
+    from components.model_fit import reference_dtype
+    from components.resources import machine_memory
 
     windows = eval_windows(EngineTokenizer(engine.engine_dir.path), eval_texts, params)
-    return quality_gate(engine, load_model(reference_path), windows, params, confidence=confidence)
+    reference = load_model(reference_path, reference_dtype(reference_path, machine_memory()))
+    return with_reference_dtype(quality_gate(engine, reference, windows, params, confidence=confidence), reference)
 
 
 @dataclass(frozen=True)

@@ -121,18 +121,19 @@ def stored_dtype(path: Path) -> str:
     return dtype
 
 
-def load_model(path: Path):
+def load_model(path: Path, dtype: str = "float32"):
     """The PyTorch model of a model directory in fp32, in eval mode; TrainError if it cannot
     load. fp32 whatever the weights were saved in: transformers 5 loads a bf16 model (Llama 3,
     Qwen2.5) as bf16, which the export traces into a graph ONNX Runtime's CPU cannot run, and
-    which the gates would compute at bf16's precision, not the model's weights' own."""
+    which the gates would compute at bf16's precision, not the model's weights' own. `dtype`
+    another of MODEL_DTYPES where fp32 does not fit (components.model_fit.reference_dtype)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     check_model_directory(path)
     quiet_transformers()
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
     except Exception as err:  # safetensors, torch and transformers each raise their own types
         raise TrainError(f"cannot load model from {path}: {type(err).__name__}: {err}") from err
 

@@ -100,29 +100,40 @@ def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, list[str]]:
 # model beside the engine they run. The export, precision and engine stages write weights
 # one at a time; none holds the model twice.
 EXPORT_PEAK_PER_FP32_BYTE = 1.7
-REFERENCE_PER_FP32_BYTE = 1.3
+REFERENCE_PEAK_PER_BYTE = 1.3  # the model as loaded, its checkpoint's pages mapped beside it
 BUILD_PEAK_OVERHEAD = 1 * GIB  # Python, torch, ONNX Runtime and Prefect before any weights
+# The gates' PyTorch model is fp32 where that takes at most this share of the machine's
+# memory, else the dtype it was saved in: a Llama-3.2-3B shape's int8 build was killed on a
+# 24 GB machine loading its 12 GiB fp32 model beside the engine, with the stages' gigabytes
+# of files still being written out.
+REFERENCE_FP32_SHARE = 0.4
 
 
-def build_memory(parameters: int, widest: str = "fp32") -> int:
+def reference_dtype(model_dir: Path, memory: int) -> str:
+    """The dtype the gates compute the model in: float32, or where its fp32 weights would take
+    more than REFERENCE_FP32_SHARE of `memory`, the dtype they were saved in (say bfloat16)."""
+    return "float32" if parameter_count(model_dir) * 4 <= REFERENCE_FP32_SHARE * memory else stored_dtype(model_dir)
+
+
+def build_memory(parameters: int, widest: str = "fp32", reference: str = "float32") -> int:
     """Bytes the stages need at their peak to build a model of `parameters` on this CPU, its
-    widest engine in `widest`: the export's, or the gates' (the model in fp32 and the engine)."""
-    fp32 = parameters * 4
-    gates = fp32 * REFERENCE_PER_FP32_BYTE + parameters * BYTES_PER_WEIGHT[widest]
-    return int(max(fp32 * EXPORT_PEAK_PER_FP32_BYTE, gates) + BUILD_PEAK_OVERHEAD)
+    widest engine in `widest`: the export's (the model in fp32), or the gates' (the model in
+    `reference`, and the engine)."""
+    gates = parameters * STORED_BYTES[reference] * REFERENCE_PEAK_PER_BYTE + parameters * BYTES_PER_WEIGHT[widest]
+    return int(max(parameters * 4 * EXPORT_PEAK_PER_FP32_BYTE, gates) + BUILD_PEAK_OVERHEAD)
 
 
 def check_build_memory(model_dir: Path, memory: int, widest: str = "fp32") -> None:
     """ConfigError, before any work, where the stages would need more memory than `memory`."""
-    check_parameters_fit(parameter_count(model_dir), memory, str(model_dir), widest)
+    check_parameters_fit(parameter_count(model_dir), memory, str(model_dir), widest, reference_dtype(model_dir, memory))
 
 
-def check_parameters_fit(parameters: int, memory: int, what: str, widest: str = "fp32") -> None:
-    needed = build_memory(parameters, widest)
+def check_parameters_fit(parameters: int, memory: int, what: str, widest: str = "fp32", reference: str = "float32") -> None:
+    needed = build_memory(parameters, widest, reference)
     if needed > memory:
         raise ConfigError(
             f"{what} is too big to build here: {parameters / 1e9:.2f}B parameters need about {needed / GIB:.1f} GiB "
-            f"at the stages' peak (the export and the gates compute the model in fp32, the gates beside its {widest} engine), "
+            f"at the stages' peak (the export checks the model in fp32, the gates compute it in {reference} beside its {widest} engine), "
             f"and this machine has {memory / GIB:.1f} GiB; build it on a machine with more memory"
         )
 

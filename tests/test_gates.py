@@ -107,6 +107,8 @@ def test_a_report_is_written_as_json_markdown_and_a_plot(tmp_path, engine, refer
     assert [p.name for p in paths] == ["report.json", "report.md", "latency.png"]
     saved = json.loads(paths[0].read_text())
     assert saved["passed"] is True and {g["name"] for g in saved["gates"]} == {"quality", "text", "latency"}
+    # What the engine was compared against: the model in fp32 here (bf16 where fp32 does not fit).
+    assert {g["name"]: g["conditions"].get("reference") for g in saved["gates"]} == {"quality": "PyTorch, float32", "text": "PyTorch, float32", "latency": None}
     assert "| quality | top1_agreement |" in paths[1].read_text()
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(report.flat_numbers()) >= {"gates.quality.top1_agreement", "gates.quality.ppl_increase_pct", "gates.text.rouge_l_drop_pct", "gates.latency.p95_ms"}

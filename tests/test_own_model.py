@@ -157,6 +157,17 @@ def test_a_model_too_big_to_build_here_is_refused_before_any_work_naming_both_si
     check_build_memory(model, 64 * GIB, "fp32")  # where it fits, nothing is said
 
 
+def test_the_gates_compute_a_model_in_fp32_where_it_fits_and_in_its_saved_dtype_where_not(tmp_path):
+    """A 3B model's fp32 weights (12 GiB) beside its engine and the stages' files killed a
+    24 GB build: its gates compute it in bf16, as it was published, and the build's memory
+    is planned for that; on a bigger machine they compute it in fp32."""
+    from components.model_fit import build_memory, reference_dtype
+
+    model = model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2)  # bf16 weights (sparse: nothing written)
+    assert reference_dtype(model, 24 * GIB) == "bfloat16" and reference_dtype(model, 64 * GIB) == "float32"
+    assert build_memory(int(3.2e9), "int8", "bfloat16") < 24 * GIB < build_memory(int(3.2e9), "fp32", "float32")
+
+
 def test_a_sliding_window_bounds_the_derived_context(tmp_path, monkeypatch):
     with_memory(monkeypatch, 512)
     mistral = LLAMA_3B | {"model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
