@@ -3,6 +3,8 @@ each stage's peak, measured, so that sizes are planned from numbers rather than 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 import time
@@ -69,3 +71,14 @@ def _status_bytes(key: str) -> int:
     status = Path("/proc/self/status")
     lines = status.read_text().splitlines() if status.is_file() else []
     return next((int(line.split()[1]) * 1024 for line in lines if line.startswith(key)), 0)
+
+
+def release_freed_memory() -> None:
+    """Hand the memory a finished stage freed back to the OS (glibc's malloc_trim; elsewhere
+    nothing). glibc keeps freed blocks below its mmap threshold in the heap: after a 1B
+    model's export stage, 1.0 of the 1.5 GiB the process still held was such, and the next
+    stages of the same flow started above it."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

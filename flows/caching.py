@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from components.resources import measured
+from components.resources import measured, release_freed_memory
 
 
 def stage_version(fn: Callable) -> str:
@@ -99,6 +99,7 @@ def _measured(fn: Callable, name: str) -> Callable:
     def run(*args: Any) -> Any:
         with measured() as usage:
             result = fn(*args)
+        release_freed_memory()  # so the next stage starts from what is still in use
         get_run_logger().info("%s: %s", name, usage.text())
         return result
 
