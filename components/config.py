@@ -268,6 +268,8 @@ class ExportParams(_Section):
     """Largest |Δlogits| allowed between the ONNX graph and PyTorch on the parity checks."""
     external_data_above_mb: int = Field(PROTOBUF_LIMIT_MB, ge=0, le=PROTOBUF_LIMIT_MB)
     """Weights over this size go to `model.onnx.data` beside the graph, in this stage and every one after it (one ONNX file holds at most 2 GB: protobuf's limit, the default); 0: always."""
+    parity_layers: int | None = Field(None, ge=1)
+    """Decoder layers the parity check compares, the model's first ones exported again on their own; null: the whole graph where the model in fp32 and its graph fit this machine's memory, else 2."""
 
 
 class ShapeRange(_Section):

@@ -63,6 +63,7 @@ class ParityRecord(_Frozen):
     prefill_max_abs_diff: float
     decode_max_abs_diff: float
     tolerance: float
+    layers: int | None = None  # the first layers alone, where the model in fp32 did not fit the export's machine
 
 
 class EngineManifest(_Frozen):

@@ -23,12 +23,15 @@ from components.errors import ExportError
 from components.families import shape_of
 from components.files import stage_output
 from components.onnx_files import onnx_files, onnx_sha256
-from components.model_dir import TrainedModel, load_model, quiet_transformers, read_config
+from components.model_dir import TrainedModel, first_layers as _first_layers, load_model, quiet_transformers, read_config
+from components.model_fit import export_parity_fits
+from components.resources import machine_memory
 
 if TYPE_CHECKING:
     import onnx_ir
 
 ONNX_FILE = "model.onnx"
+TRUNCATED_PARITY_LAYERS = 2  # where the model in fp32 does not fit: enough for a layer to feed another
 # Part of the output folder's name and of the Prefect cache key (flows.caching): bump it when
 # this stage's code changes what it makes, and only this stage and those after it rebuild.
 STAGE_VERSION = "7"  # 6: the mask built in a few ops; 7: traced on meta, weights written from the checkpoint
@@ -63,11 +66,13 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class Parity:
-    """Max |logits(ONNX Runtime) - logits(PyTorch)| over real (unpadded) positions."""
+    """Max |logits(ONNX Runtime) - logits(PyTorch)| over real (unpadded) positions; of the
+    model's first `layers` decoder layers exported on their own where it is not None."""
 
     prefill_max_abs_diff: float
     decode_max_abs_diff: float
     tolerance: float
+    layers: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -115,14 +120,34 @@ def onnx_from_model(model: TrainedModel, params: ExportParams, out_root: Path) -
     layout = kv_layout_of(_meta_model(model.path)[0])
     build = lambda staging: _export(model.path, params.opset, staging / ONNX_FILE, params.external_data_above_mb)  # noqa: E731
     target = stage_output(out_root / f"v{STAGE_VERSION}-{section_digest(params)[:12]}-{model.sha256[:12]}", ONNX_FILE, build)
-    parity = onnx_parity(target / ONNX_FILE, layout, torch_reference(_export_ready(load_model(model.path)), layout), params.parity_tolerance)
+    layers = params.parity_layers or (None if export_parity_fits(layout.parameter_count, machine_memory()) else TRUNCATED_PARITY_LAYERS)
+    parity = _parity(model.path, target / ONNX_FILE, layout, params, layers)
     if not parity.passed:
+        checked = "" if parity.layers is None else f" (its first {parity.layers} layers exported on their own)"
         raise ExportError(
-            f"ONNX export of {model.path} misses parity with PyTorch: max |Δlogits| "
+            f"ONNX export of {model.path}{checked} misses parity with PyTorch: max |Δlogits| "
             f"prefill {parity.prefill_max_abs_diff:.3g}, decode {parity.decode_max_abs_diff:.3g}, "
             f"tolerance {parity.tolerance:g} (off by {max(parity.prefill_max_abs_diff, parity.decode_max_abs_diff) - parity.tolerance:.3g})"
         )
     return ExportedOnnx(path=target / ONNX_FILE, sha256=onnx_sha256(target / ONNX_FILE), opset=params.opset, layout=layout, parity=parity)
+
+
+def _parity(model_dir: Path, graph: Path, layout: KVLayout, params: ExportParams, layers: int | None) -> Parity:
+    """The graph against PyTorch, both in fp32; where `layers` is set (the model in fp32 would
+    not fit), the model's first `layers` layers against a graph of them exported by the same
+    code from the same weights: the conversion checked on the real shapes and weights, without
+    the whole model in memory."""
+    import tempfile
+
+    if layers is None or layers >= layout.num_layers:
+        return onnx_parity(graph, layout, torch_reference(_export_ready(load_model(model_dir)), layout), params.parity_tolerance)
+    with tempfile.TemporaryDirectory(dir=graph.parent.parent, prefix=".parity-") as scratch:
+        head = Path(scratch) / ONNX_FILE
+        _export(model_dir, params.opset, head, params.external_data_above_mb, layers)
+        model = _export_ready(load_model(model_dir, layers=layers))
+        head_layout = kv_layout_of(model)
+        parity = onnx_parity(head, head_layout, torch_reference(model, head_layout), params.parity_tolerance)
+    return Parity(parity.prefill_max_abs_diff, parity.decode_max_abs_diff, parity.tolerance, layers)
 
 
 def _export_ready(model):
@@ -130,10 +155,11 @@ def _export_ready(model):
     return _with_matmul_attention(_attending_to_the_whole_context(model))
 
 
-def _meta_model(path: Path):
-    """The model of `path` with its parameters on the meta device (no memory) and tied as
-    saved; its buffers (the rotary frequencies, computed at init) moved to meta too, and
-    returned by their name in the exported graph to be written from the CPU copies."""
+def _meta_model(path: Path, layers: int | None = None):
+    """The model of `path` (its first `layers` decoder layers where that is set) with its
+    parameters on the meta device (no memory) and tied as saved; its buffers (the rotary
+    frequencies, computed at init) moved to meta too, and returned by their name in the
+    exported graph to be written from the CPU copies."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -141,7 +167,7 @@ def _meta_model(path: Path):
     quiet_transformers()
     read_config(path)  # a clear error for a directory without a config
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), **_first_layers(layers)), dtype=torch.float32)
     model.tie_weights()  # init_empty_weights registers the parameters again, untied
     buffers = {}
     for prefix, module in model.named_modules():
@@ -221,15 +247,16 @@ def _additive_mask(attention_mask, new_tokens: int, dtype):
     return torch.where(seen, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
 
 
-def _export(model_dir: Path, opset: int, path: Path, external_above_mb: int) -> None:
+def _export(model_dir: Path, opset: int, path: Path, external_above_mb: int, layers: int | None = None) -> None:
     """The graph traced on the meta device, its weights bound to the checkpoint's tensors
-    and written one at a time (external where they pass `external_above_mb`)."""
+    and written one at a time (external where they pass `external_above_mb`); of the first
+    `layers` decoder layers alone where that is set."""
     import torch
     from torch.export import Dim
 
     from components.lazy_weights import bind_parameters, fold_weight_transposes  # onnx_ir: loaded when exporting
 
-    model, buffers = _meta_model(model_dir)
+    model, buffers = _meta_model(model_dir, layers)
     layout = kv_layout_of(model)
     batch, sequence, past, total = Dim("batch"), Dim("sequence"), Dim("past_sequence"), Dim("total_sequence")
     example = [t.to("meta") for t in _example_inputs(layout, batch=2, sequence=3, past=2)]

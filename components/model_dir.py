@@ -121,19 +121,26 @@ def stored_dtype(path: Path) -> str:
     return dtype
 
 
-def load_model(path: Path, dtype: str = "float32"):
+def first_layers(layers: int | None) -> dict[str, int]:
+    """The config override that keeps a model's first `layers` decoder layers (none: all):
+    every family kiln builds names them num_hidden_layers (GPT-2 too, through its attribute map)."""
+    return {} if layers is None else {"num_hidden_layers": layers}
+
+
+def load_model(path: Path, dtype: str = "float32", layers: int | None = None):
     """The PyTorch model of a model directory in fp32, in eval mode; TrainError if it cannot
     load. fp32 whatever the weights were saved in: transformers 5 loads a bf16 model (Llama 3,
     Qwen2.5) as bf16, which the export traces into a graph ONNX Runtime's CPU cannot run, and
     which the gates would compute at bf16's precision, not the model's weights' own. `dtype`
-    another of MODEL_DTYPES where fp32 does not fit (components.model_fit.reference_dtype)."""
+    another of MODEL_DTYPES where fp32 does not fit (components.model_fit.reference_dtype);
+    `layers`: the first ones alone (the export's parity check of a model too big for fp32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     check_model_directory(path)
     quiet_transformers()
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), **first_layers(layers)).eval()
     except Exception as err:  # safetensors, torch and transformers each raise their own types
         raise TrainError(f"cannot load model from {path}: {type(err).__name__}: {err}") from err
 

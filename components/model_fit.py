@@ -93,15 +93,16 @@ def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, list[str]]:
     return params, [line for line in (note, named) if line]
 
 
-# What the stages hold at their peak, per byte of the model's fp32 weights, measured on a
+# What the stages hold at their peak, per byte of the model's weights, measured on a
 # Llama-3.2-1B shape (docs/performance.md, "A model's size and the build's memory"): the
-# export's parity check loads the model in fp32 (transformers casts a bf16 checkpoint: 1.3x)
-# and then ONNX Runtime's session of the fp32 graph (the stage at 1.7x); the gates hold that
-# model beside the engine they run. The export, precision and engine stages write weights
+# export's parity check loads the model in fp32 and then ONNX Runtime's session of the fp32
+# graph (the stage at 1.7x its fp32 bytes; where that does not fit, it checks the first
+# layers alone); the gates hold the model, with its checkpoint's pages mapped while it loads
+# (1.3x), beside the engine they run. The export, precision and engine stages write weights
 # one at a time; none holds the model twice.
 EXPORT_PEAK_PER_FP32_BYTE = 1.7
 REFERENCE_PEAK_PER_BYTE = 1.3  # the model as loaded, its checkpoint's pages mapped beside it
-BUILD_PEAK_OVERHEAD = 1 * GIB  # Python, torch, ONNX Runtime and Prefect before any weights
+BUILD_PEAK_OVERHEAD = 2 * GIB  # Python, torch, ONNX Runtime and Prefect, and the gates' activations (3B int8: 12.6 GiB measured)
 # The gates' PyTorch model is fp32 where that takes at most this share of the machine's
 # memory, else the dtype it was saved in: a Llama-3.2-3B shape's int8 build was killed on a
 # 24 GB machine loading its 12 GiB fp32 model beside the engine, with the stages' gigabytes
@@ -115,12 +116,17 @@ def reference_dtype(model_dir: Path, memory: int) -> str:
     return "float32" if parameter_count(model_dir) * 4 <= REFERENCE_FP32_SHARE * memory else stored_dtype(model_dir)
 
 
+def export_parity_fits(parameters: int, memory: int) -> bool:
+    """Whether the export's parity check can hold the whole model in fp32 and its graph's
+    session in `memory`; else it checks the model's first layers (components.export)."""
+    return parameters * 4 * EXPORT_PEAK_PER_FP32_BYTE + BUILD_PEAK_OVERHEAD <= memory
+
+
 def build_memory(parameters: int, widest: str = "fp32", reference: str = "float32") -> int:
     """Bytes the stages need at their peak to build a model of `parameters` on this CPU, its
-    widest engine in `widest`: the export's (the model in fp32), or the gates' (the model in
-    `reference`, and the engine)."""
-    gates = parameters * STORED_BYTES[reference] * REFERENCE_PEAK_PER_BYTE + parameters * BYTES_PER_WEIGHT[widest]
-    return int(max(parameters * 4 * EXPORT_PEAK_PER_FP32_BYTE, gates) + BUILD_PEAK_OVERHEAD)
+    widest engine in `widest`: the gates' (the model in `reference`, and the engine). The
+    export's parity check takes the whole model in fp32 only where it fits."""
+    return int(parameters * STORED_BYTES[reference] * REFERENCE_PEAK_PER_BYTE + parameters * BYTES_PER_WEIGHT[widest] + BUILD_PEAK_OVERHEAD)
 
 
 def check_build_memory(model_dir: Path, memory: int, widest: str = "fp32") -> None:
@@ -133,7 +139,7 @@ def check_parameters_fit(parameters: int, memory: int, what: str, widest: str = 
     if needed > memory:
         raise ConfigError(
             f"{what} is too big to build here: {parameters / 1e9:.2f}B parameters need about {needed / GIB:.1f} GiB "
-            f"at the stages' peak (the export checks the model in fp32, the gates compute it in {reference} beside its {widest} engine), "
+            f"at the stages' peak (the gates compute it in {reference} beside its {widest} engine), "
             f"and this machine has {memory / GIB:.1f} GiB; build it on a machine with more memory"
         )
 

@@ -71,6 +71,8 @@ def run_record(
     metrics = dict(report.flat_numbers()) | (GateReport((against_champion,)).flat_numbers() if against_champion else {})
     metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
     metrics["export.parity.decode_max_abs_diff"] = onnx.parity.decode_max_abs_diff
+    if onnx.parity.layers is not None:  # checked on the model's first layers alone
+        metrics["export.parity.layers"] = onnx.parity.layers
     if model.eval_perplexity is not None:
         metrics["train.eval_perplexity"] = model.eval_perplexity
         metrics["train.uniform_perplexity"] = model.uniform_perplexity or 0.0

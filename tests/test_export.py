@@ -165,3 +165,22 @@ def test_weight_files_missing_a_parameter_are_refused_naming_it(tmp_path, tiny_m
     save_file({k: v for k, v in weights.items() if k != dropped}, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ExportError, match=rf"no tensor for 1 of the model's parameters \({dropped}"):
         _export(folder, exported.opset, tmp_path / "model.onnx", 2047)
+
+
+def test_a_model_too_big_for_fp32_is_checked_on_its_first_layers_and_the_check_still_sees_a_wrong_weight(tmp_path, tiny_model, params, monkeypatch):
+    """Where the model in fp32 and its graph would not fit (an 8B model: 32 GB), parity
+    compares the first layers, exported on their own by the same code from the same weights,
+    and says so; a conversion that gets a weight wrong still fails it."""
+    import components.lazy_weights as lazy
+    from components.export import TRUNCATED_PARITY_LAYERS
+
+    monkeypatch.setattr("components.export.export_parity_fits", lambda parameters, memory: False)
+    exported = onnx_from_model(tiny_model, params.export, tmp_path / "onnx")
+    layers = exported.layout.num_layers
+    assert exported.parity.passed and exported.parity.layers == (TRUNCATED_PARITY_LAYERS if TRUNCATED_PARITY_LAYERS < layers else None)
+    first = params.export.model_copy(update={"parity_layers": 1})
+    assert onnx_from_model(tiny_model, first, tmp_path / "first").parity.layers == 1 < layers
+    read = lazy.CheckpointTensor._read
+    monkeypatch.setattr(lazy.CheckpointTensor, "_read", lambda self: lazy.ir.Tensor(read(self).numpy() * (1.5 if "h.0.mlp" in self.key else 1.0)))
+    with pytest.raises(ExportError, match=r"\(its first 1 layers exported on their own\) misses parity"):
+        onnx_from_model(tiny_model, first, tmp_path / "broken")
