@@ -102,3 +102,26 @@ def test_a_signed_pull_reads_the_engine_files_once_and_an_unsigned_one_hashes_th
     migrating = replace(registry_target, signing=replace(registry_target.signing, required=False))
     loader.pull_version(migrating, registration.version, tmp_path / "cache")
     assert hashed == [["model.onnx", "model.onnx.data"]]  # no signature: the files are hashed against engine.json
+
+
+def test_the_engine_stage_copies_weights_it_does_not_rewrite_from_disk_as_it_writes_them(exported_beside, tmp_path, monkeypatch, params):
+    """A 1B int8 graph's engine stage peaked at 9.4 GiB loading every weight to rewrite a few
+    nodes: the graph is rewritten without them, and when the engine is written every weight
+    it did not pack side by side is still on disk, read as it is written."""
+    import onnx_ir
+
+    from components.build.onnxruntime import write_engine_file
+
+    in_memory: list[int] = []
+    save = onnx_ir.save
+
+    def counting(model, *args, **kwargs):
+        in_memory.append(sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None and not isinstance(v.const_value, onnx_ir.ExternalTensor)))
+        return save(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnx_ir, "save", counting)
+    graph = precision_onnx(exported_beside, "fp32", None, params.precision, tmp_path / "precision")  # nothing packed: every weight as exported
+    write_engine_file(graph, tmp_path / "model.onnx")
+    weights = data_file(exported_beside.path).stat().st_size
+    assert len(in_memory) == 1 and in_memory[0] < weights / 20
+    assert has_external_data(tmp_path / "model.onnx") and data_file(tmp_path / "model.onnx").stat().st_size >= weights * 0.9
