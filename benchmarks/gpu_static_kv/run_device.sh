@@ -57,7 +57,7 @@ for step in "$@"; do
       tiles=(); [ -f "$OUT/best_tiles.json" ] && tiles=(--tiles "$OUT/best_tiles.json")
       run profile 200 "$PY" -m benchmarks.gpu_static_kv.step_profile --out "$OUT" --work "$WORK" "${tiles[@]}" ;;
     test)
-      run test 400 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=12 tests/test_torch_cuda.py tests/test_static_kv_prototype.py \
+      run test 580 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=12 tests/test_torch_cuda.py tests/test_static_kv_prototype.py \
         -k "${TEST_K:-$TEST_SELECTION}" ;;
     *) echo "unknown step $step (see the top of $0)" | tee -a "$OUT/run_device.txt"; failed=1 ;;
   esac
