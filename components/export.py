@@ -23,7 +23,7 @@ from components.errors import ExportError
 from components.families import shape_of
 from components.files import stage_output
 from components.onnx_files import onnx_files, onnx_sha256
-from components.model_dir import TrainedModel, first_layers as _first_layers, load_model, quiet_transformers, read_config
+from components.model_dir import TrainedModel, first_layers, load_model, quiet_transformers, read_config
 from components.model_fit import export_parity_fits
 from components.resources import machine_memory
 
@@ -167,7 +167,7 @@ def _meta_model(path: Path, layers: int | None = None):
     quiet_transformers()
     read_config(path)  # a clear error for a directory without a config
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), **_first_layers(layers)), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), **first_layers(layers)), dtype=torch.float32)
     model.tie_weights()  # init_empty_weights registers the parameters again, untied
     buffers = {}
     for prefix, module in model.named_modules():

@@ -139,10 +139,9 @@ def _weight_blocks_onnx(
     gemms_as_matmuls(model.graph)
     heads = lm_head_nodes(model.graph)
     to_matmul_nbits(model, quantized(model.graph, heads), blocks)
-    remaining = [head for head in heads if head.graph is not None and head.op_type == "MatMul"]
-    if lm_head_bits is not None and remaining:
-        float_heads = [FloatHead.of(model.graph, head) for head in remaining] if rescore_top else []
-        to_matmul_nbits(model, remaining, replace(blocks, bits=lm_head_bits))
+    if lm_head_bits is not None and heads:  # `quantized` left them out
+        float_heads = [FloatHead.of(model.graph, head) for head in heads] if rescore_top else []
+        to_matmul_nbits(model, heads, replace(blocks, bits=lm_head_bits))
         for head in float_heads:
             head.rescore_top(model.graph, rescore_top)
     save_ir(model, output, external=has_external_data(source))

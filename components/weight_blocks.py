@@ -46,9 +46,7 @@ def constant_weight(value: ir.Value) -> ir.TensorProtocol | None:
     source = node.inputs[0] if node is not None and node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
     if source is None or source.const_value is None or len(source.const_value.shape) != 2 or list(node.attributes.get_ints("perm", [1, 0])) != [1, 0]:
         return None
-    table = source.const_value
-    rows, columns = table.shape.numpy()
-    return ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(_read_once(table).T)), dtype=table.dtype, shape=ir.Shape([columns, rows]))
+    return _transposed(source.const_value)
 
 
 def weight_matmuls(graph: ir.Graph) -> list[ir.Node]:
@@ -111,6 +109,12 @@ def drop_if_unread(graph: ir.Graph, value: ir.Value) -> None:
                 drop_if_unread(graph, source)
     elif value.name in graph.initializers:
         graph.initializers.pop(value.name)
+
+
+def _transposed(table: ir.TensorProtocol) -> ir.LazyTensor:
+    """A 2-D tensor transposed when it is read, not before."""
+    rows, columns = table.shape.numpy()
+    return ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(_read_once(table).T)), dtype=table.dtype, shape=ir.Shape([columns, rows]))
 
 
 def _read_once(tensor: ir.TensorProtocol) -> np.ndarray:
@@ -187,9 +191,7 @@ class FloatHead:
         producer = weight.producer()
         if producer is not None:  # Transpose(embedding): the table is the rows
             return cls(node.inputs[0], node.outputs[0].name, producer.inputs[0])
-        table = weight.const_value  # (hidden, vocab): its rows kept beside the blocks, transposed when written
-        hidden, vocab = table.shape.numpy()
-        rows = ir.LazyTensor(lambda: ir.Tensor(np.ascontiguousarray(_read_once(table).T)), dtype=table.dtype, shape=ir.Shape([vocab, hidden]))
+        rows = _transposed(weight.const_value)  # (hidden, vocab): its rows kept beside the blocks, transposed when written
         return cls(node.inputs[0], node.outputs[0].name, _initializer(graph, f"{node.outputs[0].name}_rescore_rows", rows))
 
     def rescore_top(self, graph: ir.Graph, top: int) -> None:
