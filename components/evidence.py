@@ -143,6 +143,22 @@ def sequential_evidence(
         rows = np.concatenate([rows, measure_rows(len(rows), len(rows) + more)])
 
 
+def measure_ahead(measure_rows: Callable[[int, int], np.ndarray], first: int, budget: int, minutes: float | None = None, clock: Callable[[], float] = time.monotonic) -> np.ndarray:
+    """The rows sequential_evidence could ask for at most, measured in the slices it would ask
+    for them ([0, first), then doubling up to `budget`), stopping where the next slice would
+    take the whole past `minutes` at the pace so far: for a side that must be measured before
+    the other is at hand (components.reference)."""
+    first = min(first, budget)
+    start = clock()
+    rows = measure_rows(0, first)
+    while len(rows) < budget:
+        more = min(2 * len(rows), budget) - len(rows)
+        if _out_of_time(clock() - start, len(rows), more, minutes):
+            break
+        rows = np.concatenate([rows, measure_rows(len(rows), len(rows) + more)])
+    return rows
+
+
 def _out_of_time(elapsed_s: float, measured: int, more: int, minutes: float | None) -> str | None:
     """Why `more` sequences do not fit the time budget at the pace of the first `measured`, or None."""
     if minutes is None:

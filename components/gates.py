@@ -22,6 +22,7 @@ from components.evidence import Evidence, Measure, sequential_evidence
 from components.metrics import load_metric
 from components.model_dir import TrainedModel
 from components.progress import stage_progress
+from components.reference import QUALITY_BATCH, LiveReference, Reference, as_reference, record, target_nll
 from components.runtime.availability import machine_description
 from components.runtime.engine import Engine
 from components.runtime.sampling import Sampling
@@ -228,10 +229,12 @@ def token_windows(tokenizer: EngineTokenizer, texts: list[str], count: int, leng
     return windows[:count]
 
 
-def quality_gate(engine: Engine, reference, windows: np.ndarray, params: QualityGateParams, batch_size: int = 4, confidence: float = 0.95) -> GateResult:
-    """Top-1 next-token agreement and perplexity of the engine vs the PyTorch reference, both
-    scoring the same windows; each measure decided by its paired interval over the windows
-    (components.evidence), more windows scored while one straddles its limit."""
+def quality_gate(engine: Engine, reference, windows: np.ndarray, params: QualityGateParams, batch_size: int = QUALITY_BATCH, confidence: float = 0.95) -> GateResult:
+    """Top-1 next-token agreement and perplexity of the engine vs the PyTorch reference (a
+    components.reference Reference, or the model itself), both scoring the same windows;
+    each measure decided by its paired interval over the windows (components.evidence), more
+    windows scored while one straddles its limit."""
+    reference = as_reference(reference)
     limits = quality_limits(params, engine.manifest.precision)
     measures = (
         Measure("top1_agreement", lambda s: s[..., 0] / s[..., 1], limits.min_top1_agreement, ">="),
@@ -247,15 +250,15 @@ def quality_gate(engine: Engine, reference, windows: np.ndarray, params: Quality
     return evidence_result("quality", [(evidence, measures)], thresholds, extra)
 
 
-def _quality_rows(engine: Engine, reference, windows: np.ndarray, batch_size: int, advance: Callable[[int, str], None]) -> np.ndarray:
+def _quality_rows(engine: Engine, reference: Reference, windows: np.ndarray, batch_size: int, advance: Callable[[int, str], None]) -> np.ndarray:
     """Per window: top-1 agreements, positions scored, the engine's and the model's summed NLL."""
     rows = []
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
-        engine_logits, reference_logits = engine.score(batch, np.ones_like(batch)), _reference_logits(reference, batch)
-        agreed = (engine_logits[:, :-1].argmax(-1) == reference_logits[:, :-1].argmax(-1)).sum(-1)
-        nll = [target_nll(logits, batch).reshape(len(batch), -1).sum(-1) for logits in (engine_logits, reference_logits)]
-        rows.append(np.stack([agreed, np.full(len(batch), batch.shape[1] - 1), *nll], axis=-1).astype(np.float64))
+        engine_logits, model = engine.score(batch, np.ones_like(batch)), reference.scores(batch)
+        agreed = (engine_logits[:, :-1].argmax(-1) == model.top1).sum(-1)
+        engine_nll = target_nll(engine_logits, batch).reshape(len(batch), -1).sum(-1)
+        rows.append(np.stack([agreed, np.full(len(batch), batch.shape[1] - 1), engine_nll, model.nll], axis=-1).astype(np.float64))
         advance(len(batch), "")
     return np.concatenate(rows)
 
@@ -264,22 +267,6 @@ def quality_limits(params: QualityGateParams, precision: str) -> QualityLimits:
     if precision not in params.limits:
         raise ConfigError(f"gates.quality.limits has no entry for precision {precision!r}")
     return params.limits[precision]
-
-
-def _reference_logits(reference, batch: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        ids = torch.from_numpy(batch)
-        return reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().numpy()
-
-
-def target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
-    """-log p(next token) at every position but the last, computed stably in float64."""
-    scores = logits[:, :-1].astype(np.float64)
-    log_norm = np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1)) + scores.max(-1)
-    target = np.take_along_axis(scores, batch[:, 1:, None], axis=-1)[..., 0]
-    return (log_norm - target).ravel()
 
 
 # ---------------------------------------------------------------- text
@@ -301,6 +288,7 @@ def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np
     trained model). Also reported: ROUGE-L of the engine's continuations against the model's."""
     from components.metrics.bleu import COLUMNS, bleu_from_counts
 
+    reference = as_reference(reference)
     limits = text_limits(params, engine.manifest.precision)  # a bad config fails before measuring
     bleu_ours, bleu_theirs = slice(2, 2 + COLUMNS), slice(2 + COLUMNS, 2 + 2 * COLUMNS)
     measures = (
@@ -337,7 +325,7 @@ def text_gate(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np
     return evidence_result("text", [(evidence, measures)], thresholds, extra)
 
 
-def _text_rows(engine: Engine, reference, tokenizer: EngineTokenizer, windows: np.ndarray, params: TextGateParams, written: list[tuple[str, str]], advance) -> np.ndarray:
+def _text_rows(engine: Engine, reference: Reference, tokenizer: EngineTokenizer, windows: np.ndarray, params: TextGateParams, written: list[tuple[str, str]], advance) -> np.ndarray:
     """Per prompt: the engine's and the model's ROUGE-L against the held-out text, then each
     one's BLEU counts (components.metrics.bleu). Appends (engine's, model's) text to `written`."""
     prompts, held_out = windows[:, : params.prompt_tokens], [tokenizer.decode(w[params.prompt_tokens :].tolist()) for w in windows]
@@ -347,7 +335,7 @@ def _text_rows(engine: Engine, reference, tokenizer: EngineTokenizer, windows: n
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
         ours += [tokenizer.decode(ids) for ids in engine.generate(chunk.tolist(), sampling)]
-        theirs += [tokenizer.decode(ids) for ids in _reference_continuations(reference, chunk, params.new_tokens)]
+        theirs += [tokenizer.decode(ids) for ids in reference.continuations(chunk, params.new_tokens).tolist()]
         advance(len(chunk), "")
     written += zip(ours, theirs, strict=True)
     rouge, bleu = load_metric("rouge_l"), load_metric("bleu")
@@ -400,22 +388,6 @@ def drop_pct(engine_scores, reference_scores) -> np.ndarray:
     engine_scores, reference_scores = np.asarray(engine_scores, np.float64), np.asarray(reference_scores, np.float64)
     safe = np.where(reference_scores > 0, reference_scores, 1.0)
     return np.where(reference_scores > 0, 100.0 * (reference_scores - engine_scores) / safe, 0.0)
-
-
-def _reference_continuations(reference, prompts: np.ndarray, new_tokens: int) -> list[list[int]]:
-    """Greedy continuations by the PyTorch model (the prompts share one length: no padding),
-    as the engine makes them: the argmax at every step, an end-of-text token like any
-    other. `generate` with `min_new_tokens` forbade end-of-text instead, so a row whose
-    argmax was one diverged from the engine's (a Llama's fp32 engine lost 6 % BLEU so)."""
-    import torch
-
-    picked = []
-    with torch.no_grad():
-        out = reference(input_ids=torch.from_numpy(prompts), use_cache=True)
-        for _ in range(new_tokens):
-            picked.append(out.logits[:, -1:].argmax(-1))
-            out = reference(input_ids=picked[-1], cache=out.past_key_values, use_cache=True)
-    return torch.cat(picked, dim=1).tolist()
 
 
 # ---------------------------------------------------------------- latency
@@ -529,21 +501,34 @@ def latency_prompt(windows: np.ndarray, length: int) -> list[int]:
 
 
 def gate_report(engine: Engine, reference, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
-    """Quality and text on `engine` (any threads: they count tokens, not time); latency on
-    the engine as kiln serve runs it, with `served_threads` (serving.threads)."""
+    """Quality and text on `engine` (any threads: they count tokens, not time) against
+    `reference` (a components.reference Reference, or the model itself), on the windows it
+    covers; latency on the engine as kiln serve runs it, with `served_threads` (serving.threads)."""
+    compared = compared_gates(engine, reference, eval_texts, params)
+    return with_latency(compared, engine.engine_dir, eval_texts, params, served_threads)
+
+
+def compared_gates(engine: Engine, reference, eval_texts: list[str], params: GateParams) -> tuple[GateResult, ...]:
+    """The quality and text gates: the engine against `reference` on the windows it covers."""
+    reference = as_reference(reference)
     tokenizer = EngineTokenizer(engine.engine_dir.path)
-    windows = eval_windows(tokenizer, eval_texts, params.quality)
-    quality = with_reference_dtype(quality_gate(engine, reference, windows, params.quality, confidence=params.confidence), reference)
-    text = with_reference_dtype(text_gate(engine, reference, tokenizer, text_windows(tokenizer, eval_texts, params.text), params.text, params.confidence), reference)
-    latency = latency_gate_as_served(engine.engine_dir.path, latency_prompt(windows, params.latency.prompt_tokens), params.latency, served_threads)
-    return GateReport((quality, text, latency), machine_description(engine.manifest.target))
+    windows, prompts = reference.covering(eval_windows(tokenizer, eval_texts, params.quality), text_windows(tokenizer, eval_texts, params.text))
+    quality = with_reference_described(quality_gate(engine, reference, windows, params.quality, confidence=params.confidence), reference)
+    text = with_reference_described(text_gate(engine, reference, tokenizer, prompts, params.text, params.confidence), reference)
+    return quality, text
 
 
-def with_reference_dtype(result: GateResult, reference) -> GateResult:
-    """`result` saying what the PyTorch model it compared against computed in: fp32, or the
-    dtype the model was saved in where fp32 did not fit the machine."""
-    dtype = str(next(reference.parameters()).dtype).removeprefix("torch.")
-    return replace(result, conditions=result.conditions | {"reference": f"PyTorch, {dtype}"})
+def with_latency(compared: tuple[GateResult, ...], engine_dir: EngineDir, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
+    """The report of `compared` and the latency gate, timed in a process of its own."""
+    windows = eval_windows(EngineTokenizer(engine_dir.path), eval_texts, params.quality)
+    latency = latency_gate_as_served(engine_dir.path, latency_prompt(windows, params.latency.prompt_tokens), params.latency, served_threads)
+    return GateReport((*compared, latency), machine_description(engine_dir.manifest.target))
+
+
+def with_reference_described(result: GateResult, reference: Reference) -> GateResult:
+    """`result` saying what the PyTorch model it compared against computed in (fp32, or the
+    dtype the model was saved in where fp32 did not fit the machine), and when."""
+    return replace(result, conditions=result.conditions | {"reference": reference.description})
 
 
 def latency_gate_as_served(engine_path: Path, prompt: list[int], params: LatencyGateParams, threads: int | None) -> GateResult:
@@ -606,15 +591,35 @@ def _plot_latency(gate: GateResult, path: Path) -> None:
 
 def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
     """Gate one engine directory against the PyTorch model directory it came from (in fp32
-    where that fits: components.model_fit.reference_dtype); its latency as served with
-    `served_threads` (serving.threads)."""
+    where that fits: components.model_fit.reference_dtype), the model computed beside the
+    engine where both fit this machine, else first and freed before the engine loads; its
+    latency as served with `served_threads` (serving.threads)."""
     from components.model_dir import load_model
-    from components.model_fit import reference_dtype
+    from components.model_fit import reference_beside_engine, reference_dtype
     from components.resources import machine_memory
     from components.runtime import load_engine
 
-    with load_engine(engine_path) as engine:
-        return gate_report(engine, load_model(reference_path, reference_dtype(reference_path, machine_memory())), eval_texts, params, served_threads)
+    memory = machine_memory()
+    dtype = reference_dtype(reference_path, memory)
+    if reference_beside_engine(reference_path, dtype, engine_path, memory):
+        with load_engine(engine_path) as engine:
+            compared = compared_gates(engine, LiveReference(load_model(reference_path, dtype)), eval_texts, params)
+    else:
+        reference = recorded_reference(engine_path, reference_path, dtype, eval_texts, params)
+        with load_engine(engine_path) as engine:
+            compared = compared_gates(engine, reference, eval_texts, params)
+    # Timed once the gating process has closed its engine: the served one is loaded again.
+    return with_latency(compared, load_engine_dir(engine_path), eval_texts, params, served_threads)
+
+
+def recorded_reference(engine_path: Path, reference_path: Path, dtype: str, eval_texts: list[str], params: GateParams) -> Reference:
+    """The model at `reference_path` computed in `dtype` on the windows and prompts the
+    quality and text gates of the engine at `engine_path` will read, before it is loaded."""
+    engine_dir = load_engine_dir(engine_path)
+    tokenizer = EngineTokenizer(engine_dir.path)
+    windows, prompts = eval_windows(tokenizer, eval_texts, params.quality), text_windows(tokenizer, eval_texts, params.text)
+    chunk = engine_dir.manifest.profiles["context"].batch.max
+    return record(reference_path, dtype, windows, params.quality, prompts[:, : params.text.prompt_tokens], params.text, chunk)
 
 
 def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams, confidence: float) -> GateResult:
@@ -625,8 +630,8 @@ def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[
     from components.resources import machine_memory
 
     windows = eval_windows(EngineTokenizer(engine.engine_dir.path), eval_texts, params)
-    reference = load_model(reference_path, reference_dtype(reference_path, machine_memory()))
-    return with_reference_dtype(quality_gate(engine, reference, windows, params, confidence=confidence), reference)
+    reference = LiveReference(load_model(reference_path, reference_dtype(reference_path, machine_memory())))
+    return with_reference_described(quality_gate(engine, reference, windows, params, confidence=confidence), reference)
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,8 @@ def fit_to_model(params: Params, model_dir: Path) -> tuple[Params, list[str]]:
 # export's parity check loads the model in fp32 and then ONNX Runtime's session of the fp32
 # graph (the stage at 1.7x its fp32 bytes; where that does not fit, it checks the first
 # layers alone); the gates hold the model, with its checkpoint's pages mapped while it loads
-# (1.3x), beside the engine they run. The export, precision and engine stages write weights
-# one at a time; none holds the model twice.
+# (1.3x), beside the engine they run where both fit, else one after the other. The export,
+# precision and engine stages write weights one at a time; none holds the model twice.
 EXPORT_PEAK_PER_FP32_BYTE = 1.7
 REFERENCE_PEAK_PER_BYTE = 1.3  # the model as loaded, its checkpoint's pages mapped beside it
 BUILD_PEAK_OVERHEAD = 2 * GIB  # Python, torch, ONNX Runtime and Prefect, and the gates' activations (3B int8: 12.6 GiB measured)
@@ -124,9 +124,22 @@ def export_parity_fits(parameters: int, memory: int) -> bool:
 
 def build_memory(parameters: int, widest: str = "fp32", reference: str = "float32") -> int:
     """Bytes the stages need at their peak to build a model of `parameters` on this CPU, its
-    widest engine in `widest`: the gates' (the model in `reference`, and the engine). The
+    widest engine in `widest`: the gates', which hold the model in `reference` and the
+    engine, one after the other where both do not fit at once (components.reference). The
     export's parity check takes the whole model in fp32 only where it fits."""
-    return int(parameters * STORED_BYTES[reference] * REFERENCE_PEAK_PER_BYTE + parameters * BYTES_PER_WEIGHT[widest] + BUILD_PEAK_OVERHEAD)
+    return int(max(reference_bytes(parameters, reference), parameters * BYTES_PER_WEIGHT[widest]) + BUILD_PEAK_OVERHEAD)
+
+
+def reference_bytes(parameters: int, dtype: str) -> int:
+    """The gates' PyTorch model of `parameters` in `dtype` at its peak, as it loads."""
+    return int(parameters * STORED_BYTES[dtype] * REFERENCE_PEAK_PER_BYTE)
+
+
+def reference_beside_engine(model_dir: Path, dtype: str, engine_dir: Path, memory: int) -> bool:
+    """Whether the gates can hold the model in `dtype` and the engine at once in `memory`;
+    else they compute the model first and free it before the engine loads."""
+    engine_bytes = sum(f.stat().st_size for f in engine_dir.rglob("*") if f.is_file())
+    return reference_bytes(parameter_count(model_dir), dtype) + engine_bytes + BUILD_PEAK_OVERHEAD <= memory
 
 
 def check_build_memory(model_dir: Path, memory: int, widest: str = "fp32") -> None:
@@ -139,7 +152,7 @@ def check_parameters_fit(parameters: int, memory: int, what: str, widest: str = 
     if needed > memory:
         raise ConfigError(
             f"{what} is too big to build here: {parameters / 1e9:.2f}B parameters need about {needed / GIB:.1f} GiB "
-            f"at the stages' peak (the gates compute it in {reference} beside its {widest} engine), "
+            f"at the stages' peak (the gates compute it in {reference}, and run its {widest} engine), "
             f"and this machine has {memory / GIB:.1f} GiB; build it on a machine with more memory"
         )
 

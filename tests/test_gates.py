@@ -119,6 +119,46 @@ def test_a_report_is_written_as_json_markdown_and_a_plot(tmp_path, engine, refer
     assert model_name is None or report.machine.startswith(model_name)
 
 
+def test_where_the_model_and_the_engine_do_not_fit_together_the_model_is_computed_first_and_gates_alike(
+    monkeypatch, engine, engine_dir, tiny_model, reference, data_version, params
+):
+    """An 8B model's bf16 weights beside its int4 engine do not fit 24 GB: the gates compute
+    the model first, free it, then load the engine, and measure what they measure beside it."""
+    import gc
+
+    import components.runtime
+    from components.gates import compared_gates, gate_engine_dir
+    from components.resources import GIB
+
+    def models_alive() -> int:
+        from transformers import PreTrainedModel
+
+        gc.collect()
+        return sum(isinstance(o, PreTrainedModel) for o in gc.get_objects())
+
+    before, at_engine_load = models_alive(), []
+    real_load_engine = components.runtime.load_engine
+    monkeypatch.setattr(components.runtime, "load_engine", lambda *a, **k: at_engine_load.append(models_alive()) or real_load_engine(*a, **k))
+    monkeypatch.setattr("components.resources.machine_memory", lambda: 2 * GIB + 1024)  # either fits alone, not both
+    texts = data_version.texts("eval")
+    report = gate_engine_dir(engine_dir.path, tiny_model.path, texts, params.gates, params.serving.threads)
+    assert at_engine_load == [before]  # the model it computed was freed before the engine loaded
+    beside = compared_gates(engine, reference, texts, params.gates)
+    for first, alike in zip((report.gate("quality"), report.gate("text")), beside, strict=True):
+        assert first.conditions["reference"] == "PyTorch, float32, computed before the engine was loaded"
+        assert (first.measured, first.intervals, first.verdict) == (alike.measured, alike.intervals, alike.verdict)
+
+
+def test_a_recorded_reference_refuses_what_it_did_not_record(tiny_model, engine_dir, data_version, params):
+    from components.gates import eval_windows, recorded_reference
+
+    recorded = recorded_reference(engine_dir.path, tiny_model.path, "float32", data_version.texts("eval"), params.gates)
+    windows = eval_windows(EngineTokenizer(engine_dir.path), data_version.texts("eval"), params.gates.quality)
+    assert recorded.scores(windows[:2]).top1.shape == (2, windows.shape[1] - 1)
+    with pytest.raises(ValueError, match="1 of 1 windows were not recorded"):
+        recorded.scores(windows[:1] + 1)
+
+
 def model_written_windows(engine_dir, reference, data_version, params, count: int | None = None) -> np.ndarray:
     """`count` held-out prompts (default: the gate's) followed by what the PyTorch model
     writes after them: text on which the model scores 1.0 (the tiny test model shares
@@ -126,12 +166,12 @@ def model_written_windows(engine_dir, reference, data_version, params, count: in
     the gate nothing to compare). Prompts after which the model writes no word are passed
     over: ROUGE scores an empty text 0 even against itself (the model trained on an AVX2-only
     CPU wrote 16 spaces after one of the first eight)."""
-    from components.gates import _reference_continuations
+    from components.reference import greedy_continuations
 
     tokenizer, text = EngineTokenizer(engine_dir.path), params.gates.text
     count = count or text.sequences
     prompts = text_windows(tokenizer, data_version.texts("eval"), text.model_copy(update={"max_sequences": 4 * count}))[:, : text.prompt_tokens]
-    written = np.array(_reference_continuations(reference, prompts, text.new_tokens))
+    written = np.array(greedy_continuations(reference, prompts, text.new_tokens))
     has_words = [i for i, ids in enumerate(written) if re.search(r"[a-z0-9]", tokenizer.decode(ids.tolist()).lower())][:count]
     assert len(has_words) == count, f"the model writes words after only {len(has_words)} of {len(prompts)} prompts"
     return np.concatenate([prompts[has_words], written[has_words]], axis=1)
@@ -143,7 +183,7 @@ def test_the_models_continuations_are_its_argmax_at_every_step_end_of_text_inclu
     and an engine identical to its model lose BLEU on every such row."""
     import torch
 
-    from components.gates import _reference_continuations
+    from components.reference import greedy_continuations
     from components.runtime.sampling import Sampling
 
     eos = engine.manifest.eos_token_id
@@ -159,8 +199,8 @@ def test_the_models_continuations_are_its_argmax_at_every_step_end_of_text_inclu
             return out
 
     prompts = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
-    assert _reference_continuations(EndsAtOnce(), prompts, 3) == [[eos] * 3, [eos] * 3]
-    plain = _reference_continuations(reference, prompts, 6)
+    assert greedy_continuations(EndsAtOnce(), prompts, 3) == [[eos] * 3, [eos] * 3]
+    plain = greedy_continuations(reference, prompts, 6)
     assert plain == engine.generate(prompts.tolist(), Sampling(max_new_tokens=6, stop_at_eos=False))  # fp32: the same tokens
 
 

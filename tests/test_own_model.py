@@ -150,22 +150,27 @@ def test_a_model_too_big_to_build_here_is_refused_before_any_work_naming_both_si
 
     model = shutil.copytree(tiny_model.path, tmp_path / "big")
     with (model / "model.safetensors").open("r+b") as weights:
-        weights.truncate(int(3.2e9) * 4)  # a 3B model's fp32 weights (sparse: nothing written)
-    with pytest.raises(ConfigError, match=r"too big to build here: 3\.20B parameters need about 29\.4 GiB .* beside its fp32 engine\), and this machine has 24\.0 GiB"):
-        check_build_memory(model, 24 * GIB, "fp32")
-    check_build_memory(model, 24 * GIB, "int4")  # the model beside a 4-bit engine: fits
+        weights.truncate(int(8e9) * 4)  # an 8B model's fp32 weights (sparse: nothing written)
+    with pytest.raises(ConfigError, match=r"too big to build here: 8\.00B parameters need about 40\.7 GiB .* in float32, and run its int4 engine\), and this machine has 24\.0 GiB"):
+        check_build_memory(model, 24 * GIB, "int4")
     check_build_memory(model, 64 * GIB, "fp32")  # where it fits, nothing is said
 
 
 def test_the_gates_compute_a_model_in_fp32_where_it_fits_and_in_its_saved_dtype_where_not(tmp_path):
     """A 3B model's fp32 weights (12 GiB) beside its engine and the stages' files killed a
     24 GB build: its gates compute it in bf16, as it was published, and the build's memory
-    is planned for that; on a bigger machine they compute it in fp32."""
-    from components.model_fit import build_memory, reference_dtype
+    is planned for that; on a bigger machine they compute it in fp32. An 8B model in bf16
+    (15 GiB) and its int4 engine fit 24 GB one after the other, not together."""
+    from components.model_fit import build_memory, reference_beside_engine, reference_dtype
 
     model = model_dir(tmp_path / "m", LLAMA_3B, int(3.2e9) * 2)  # bf16 weights (sparse: nothing written)
     assert reference_dtype(model, 24 * GIB) == "bfloat16" and reference_dtype(model, 64 * GIB) == "float32"
-    assert build_memory(int(3.2e9), "int8", "bfloat16") < 24 * GIB < build_memory(int(3.2e9), "fp32", "float32")
+    assert build_memory(int(8.03e9), "int4", "bfloat16") < 24 * GIB < build_memory(int(8.03e9), "int4", "float32")
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    with (engine / "model.onnx.data").open("wb") as weights:
+        weights.truncate(int(3.2e9))  # an int8 engine
+    assert reference_beside_engine(model, "bfloat16", engine, 24 * GIB) and not reference_beside_engine(model, "bfloat16", engine, 12 * GIB)
 
 
 def test_a_sliding_window_bounds_the_derived_context(tmp_path, monkeypatch):
