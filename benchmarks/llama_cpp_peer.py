@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,14 @@ BUILD_HINT = (
     f"cmake --build build -j2 --target llama-bench llama-quantize) and pass --llama-cpp DIR or set {ENV}=DIR"
 )
 CONVERTER = "convert_hf_to_gguf.py"
+# A native build on a virtual machine whose CPU lists AMX without granting its tile state
+# dies in ggml's AMX kernels before printing anything (seen on a 2-core Xeon).
+KILLED_HINTS = {
+    signal.SIGILL: (
+        ": it was built for instructions this CPU does not run (on a virtual machine, often AMX); rebuild it with "
+        "-DGGML_NATIVE=OFF and the instruction sets to use named (-DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON ...)"
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,8 @@ def quantize(tools: LlamaCpp, base: Path, ggml_type: str, out: Path) -> None:
 
 def _check(command: list[str], what: str) -> str:
     done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode < 0:
+        raise KilnError(f"{what} was killed by {signal.Signals(-done.returncode).name}{KILLED_HINTS.get(-done.returncode, '')}")
     if done.returncode != 0:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
         raise KilnError(f"{what} failed (exit {done.returncode}): {tail}")

@@ -41,6 +41,17 @@ def test_without_llama_cpp_the_reason_names_what_is_missing_and_how_to_build_it(
     assert "cmake --build build" in message and "--llama-cpp DIR" in message
 
 
+def test_a_llama_cpp_tool_killed_by_a_signal_says_which_and_what_an_illegal_instruction_means(tmp_path):
+    """A native llama.cpp build dies with SIGILL and no output where a virtual machine lists
+    AMX without granting it: the error names the signal and the rebuild, not an empty tail."""
+    from components.errors import KilnError
+
+    with pytest.raises(KilnError, match=r"llama-bench was killed by SIGILL: it was built for instructions .* -DGGML_NATIVE=OFF"):
+        peer._check(["sh", "-c", "kill -ILL $$"], "llama-bench")
+    with pytest.raises(KilnError, match=r"llama-quantize was killed by SIGKILL$"):
+        peer._check(["sh", "-c", "kill -KILL $$"], "llama-quantize")
+
+
 def test_a_folder_given_is_searched_alone_not_path(tmp_path, monkeypatch):
     _touch(tmp_path / "on-path" / "llama-bench")
     monkeypatch.setenv("PATH", str(tmp_path / "on-path"))
