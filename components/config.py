@@ -810,8 +810,9 @@ class Params(_Section):
         """registry.model_name, from the model where params.yaml names none: every verb that
         reads these params (run, serve, promote) then names the same registered model."""
         if self.registry.model_name is None:  # frozen: set once, here, as validation ends
-            # Still unset as far as fields_set tells: `kiln build --model DIR` names it after DIR.
-            named = RegistryParams.model_construct(_fields_set=set(self.registry.model_fields_set), **(dict(self.registry) | {"model_name": model_name_for(self.model)}))
+            # Unset as far as fields_set tells, `model_name: null` too: `kiln build --model DIR` names it after DIR.
+            unnamed = set(self.registry.model_fields_set) - {"model_name"}
+            named = RegistryParams.model_construct(_fields_set=unnamed, **(dict(self.registry) | {"model_name": model_name_for(self.model)}))
             object.__setattr__(self, "registry", named)
         return self
 

@@ -195,6 +195,17 @@ def test_kiln_build_of_a_directory_names_it_after_the_directory_where_params_nam
     assert named.registry.model_name == "chosen" and len(notes) == 1
 
 
+def test_kiln_build_with_the_repositorys_params_yaml_names_the_model_after_its_directory(tmp_path, tiny_model):
+    """The repository's params.yaml says `model_name: null`: that names nothing, as leaving it
+    out does (a Qwen2 directory built with it was registered as kiln-gpt2)."""
+    from components.config import load_params
+    from components.model_fit import named_after
+
+    model = shutil.copytree(tiny_model.path, tmp_path / "Qwen2.5-0.5B")
+    named, note = named_after(load_params(Path(__file__).parents[1] / "params.yaml"), model)
+    assert named.registry.model_name == "Qwen2.5-0.5B" and note.startswith("registered as Qwen2.5-0.5B")
+
+
 # ---------------------------------------------------------------- kiln run on a pretrained directory
 
 
