@@ -22,10 +22,21 @@ def fuse_rms_norms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     if not any(node.op_type == "Reciprocal" for node in model.graph.node):
         return model, 0
     ir_model = ir.from_proto(model)
-    ShapeInferencePass()(ir_model)  # the rules check element types
-    fused = fuse_rms_normalization(ir_model)
-    if not fused:
-        return model, 0
-    fuse_skip_rms_normalization(ir_model)
-    RemoveUnusedNodesPass()(ir_model)
-    return ir.to_proto(ir_model), fused
+    try:
+        ShapeInferencePass()(ir_model)  # the rules check element types
+        fused = fuse_rms_normalization(ir_model)
+        if not fused:
+            return model, 0
+        fuse_skip_rms_normalization(ir_model)
+        RemoveUnusedNodesPass()(ir_model)
+        return ir.to_proto(ir_model), fused
+    finally:
+        _drop_weights(ir_model)
+
+
+def _drop_weights(ir_model) -> None:
+    """onnxscript's rule matchers are module-level and keep the last graph they matched, and
+    its initializers keep `model`'s tensors: an 8B engine stage left its 6.8 GiB of packed
+    weights resident through the gates that followed. The graph they keep holds none."""
+    for value in ir_model.graph.initializers.values():
+        value.const_value = None
