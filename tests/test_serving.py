@@ -822,15 +822,25 @@ def test_cancelled_sequences_in_the_waiting_line_make_room_for_new_ones(own_engi
     def sequence(new_tokens: int) -> Sequence:
         return Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=new_tokens, stop_at_eos=False), lambda e: done.release() if isinstance(e, Finished) else None)
 
-    running, gone = sequence(100), [sequence(4), sequence(4)]
+    admitted, hold = threading.Event(), threading.Event()
+
+    def held(event) -> None:
+        """The scheduler's thread waits at the long one's first text until the line is
+        filled: polling `running` instead missed a sequence that had already finished."""
+        if not admitted.is_set():
+            admitted.set()
+            hold.wait(10)
+        if isinstance(event, Finished):
+            done.release()
+
+    running = Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=100, stop_at_eos=False), held)
+    gone = [sequence(4), sequence(4)]
     scheduler.submit([running])
-    deadline = time.monotonic() + 10
-    while not scheduler.running:  # admitted: the line is empty again
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    assert admitted.wait(10)  # admitted: the line is empty again
     scheduler.submit(gone)  # the line is full now
     with pytest.raises(QueueFull):
         scheduler.submit([sequence(4)])
+    hold.set()
     for seq in gone:
         seq.cancel()
     scheduler.submit([sequence(4), sequence(4)])
