@@ -147,13 +147,23 @@ def check_build_memory(model_dir: Path, memory: int, widest: str = "fp32") -> No
     check_parameters_fit(parameter_count(model_dir), memory, str(model_dir), widest, reference_dtype(model_dir, memory))
 
 
-def check_parameters_fit(parameters: int, memory: int, what: str, widest: str = "fp32", reference: str = "float32") -> None:
-    needed = build_memory(parameters, widest, reference)
+def side_by_side_memory(parameters: int, widest: str = "fp32", reference: str = "float32") -> int:
+    """Bytes to hold the model in `reference` and its `widest` engine at once, as `kiln bench`
+    times them, interleaved."""
+    return reference_bytes(parameters, reference) + int(parameters * BYTES_PER_WEIGHT[widest]) + BUILD_PEAK_OVERHEAD
+
+
+def check_parameters_fit(
+    parameters: int, memory: int, what: str, widest: str = "fp32", reference: str = "float32", side_by_side: bool = False
+) -> None:
+    """ConfigError naming both sizes where the build (or, `side_by_side`, the model beside its
+    engine) needs more than `memory`."""
+    needed = (side_by_side_memory if side_by_side else build_memory)(parameters, widest, reference)
+    how = f"it runs in {reference} beside its {widest} engine" if side_by_side else f"the gates compute it in {reference}, and run its {widest} engine"
     if needed > memory:
         raise ConfigError(
             f"{what} is too big to build here: {parameters / 1e9:.2f}B parameters need about {needed / GIB:.1f} GiB "
-            f"at the stages' peak (the gates compute it in {reference}, and run its {widest} engine), "
-            f"and this machine has {memory / GIB:.1f} GiB; build it on a machine with more memory"
+            f"at the stages' peak ({how}), and this machine has {memory / GIB:.1f} GiB; build it on a machine with more memory"
         )
 
 

@@ -156,6 +156,17 @@ def test_a_model_too_big_to_build_here_is_refused_before_any_work_naming_both_si
     check_build_memory(model, 64 * GIB, "fp32")  # where it fits, nothing is said
 
 
+def test_the_bench_which_times_the_fp32_model_beside_its_engines_is_refused_where_both_do_not_fit():
+    """`kiln bench --shape llama3.2-3b` with an fp32 engine holds Hugging Face's fp32 model and
+    the engine at once: refused on 24 GiB, where the build alone (one after the other) fits."""
+    from components.model_fit import build_memory, check_parameters_fit
+
+    assert build_memory(int(3.21e9), "fp32", "float32") < 24 * GIB
+    with pytest.raises(ConfigError, match=r"3\.21B parameters need about 29\.5 GiB at the stages' peak \(it runs in float32 beside its fp32 engine\)"):
+        check_parameters_fit(int(3.21e9), 24 * GIB, "the llama3.2-3b bench model", "fp32", side_by_side=True)
+    check_parameters_fit(int(3.21e9), 24 * GIB, "the llama3.2-3b bench model", "int8", side_by_side=True)
+
+
 def test_the_gates_compute_a_model_in_fp32_where_it_fits_and_in_its_saved_dtype_where_not(tmp_path):
     """A 3B model's fp32 weights (12 GiB) beside its engine and the stages' files killed a
     24 GB build: its gates compute it in bf16, as it was published, and the build's memory
