@@ -504,24 +504,37 @@ def gate_report(engine: Engine, reference, eval_texts: list[str], params: GatePa
     """Quality and text on `engine` (any threads: they count tokens, not time) against
     `reference` (a components.reference Reference, or the model itself), on the windows it
     covers; latency on the engine as kiln serve runs it, with `served_threads` (serving.threads)."""
-    compared = compared_gates(engine, reference, eval_texts, params)
-    return with_latency(compared, engine.engine_dir, eval_texts, params, served_threads)
+    windows = gate_windows(engine.engine_dir.path, eval_texts, params)
+    return with_latency(compared_gates(engine, reference, windows, params), engine.engine_dir, windows, params, served_threads)
 
 
-def compared_gates(engine: Engine, reference, eval_texts: list[str], params: GateParams) -> tuple[GateResult, ...]:
+@dataclass(frozen=True)
+class GateWindows:
+    """The eval split as the gates read it, tokenized once: the quality gate's windows, the
+    text gate's (prompt, then what followed)."""
+
+    quality: np.ndarray
+    text: np.ndarray
+
+
+def gate_windows(engine_path: Path, eval_texts: list[str], params: GateParams) -> GateWindows:
+    tokenizer = EngineTokenizer(engine_path)
+    return GateWindows(eval_windows(tokenizer, eval_texts, params.quality), text_windows(tokenizer, eval_texts, params.text))
+
+
+def compared_gates(engine: Engine, reference, windows: GateWindows, params: GateParams) -> tuple[GateResult, ...]:
     """The quality and text gates: the engine against `reference` on the windows it covers."""
     reference = as_reference(reference)
+    quality_windows, text_windows_covered = reference.covering(windows.quality, windows.text)
     tokenizer = EngineTokenizer(engine.engine_dir.path)
-    windows, prompts = reference.covering(eval_windows(tokenizer, eval_texts, params.quality), text_windows(tokenizer, eval_texts, params.text))
-    quality = with_reference_described(quality_gate(engine, reference, windows, params.quality, confidence=params.confidence), reference)
-    text = with_reference_described(text_gate(engine, reference, tokenizer, prompts, params.text, params.confidence), reference)
+    quality = with_reference_described(quality_gate(engine, reference, quality_windows, params.quality, confidence=params.confidence), reference)
+    text = with_reference_described(text_gate(engine, reference, tokenizer, text_windows_covered, params.text, params.confidence), reference)
     return quality, text
 
 
-def with_latency(compared: tuple[GateResult, ...], engine_dir: EngineDir, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
+def with_latency(compared: tuple[GateResult, ...], engine_dir: EngineDir, windows: GateWindows, params: GateParams, served_threads: int | None) -> GateReport:
     """The report of `compared` and the latency gate, timed in a process of its own."""
-    windows = eval_windows(EngineTokenizer(engine_dir.path), eval_texts, params.quality)
-    latency = latency_gate_as_served(engine_dir.path, latency_prompt(windows, params.latency.prompt_tokens), params.latency, served_threads)
+    latency = latency_gate_as_served(engine_dir.path, latency_prompt(windows.quality, params.latency.prompt_tokens), params.latency, served_threads)
     return GateReport((*compared, latency), machine_description(engine_dir.manifest.target))
 
 
@@ -601,25 +614,24 @@ def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[st
 
     memory = machine_memory()
     dtype = reference_dtype(reference_path, memory)
+    engine_dir = load_engine_dir(engine_path)
+    windows = gate_windows(engine_path, eval_texts, params)
     if reference_beside_engine(reference_path, dtype, engine_path, memory):
         with load_engine(engine_path) as engine:
-            compared = compared_gates(engine, LiveReference(load_model(reference_path, dtype)), eval_texts, params)
+            compared = compared_gates(engine, LiveReference(load_model(reference_path, dtype)), windows, params)
     else:
-        reference = recorded_reference(engine_path, reference_path, dtype, eval_texts, params)
+        reference = recorded_reference(engine_dir, reference_path, dtype, windows, params)
         with load_engine(engine_path) as engine:
-            compared = compared_gates(engine, reference, eval_texts, params)
+            compared = compared_gates(engine, reference, windows, params)
     # Timed once the gating process has closed its engine: the served one is loaded again.
-    return with_latency(compared, load_engine_dir(engine_path), eval_texts, params, served_threads)
+    return with_latency(compared, engine_dir, windows, params, served_threads)
 
 
-def recorded_reference(engine_path: Path, reference_path: Path, dtype: str, eval_texts: list[str], params: GateParams) -> Reference:
+def recorded_reference(engine_dir: EngineDir, reference_path: Path, dtype: str, windows: GateWindows, params: GateParams) -> Reference:
     """The model at `reference_path` computed in `dtype` on the windows and prompts the
-    quality and text gates of the engine at `engine_path` will read, before it is loaded."""
-    engine_dir = load_engine_dir(engine_path)
-    tokenizer = EngineTokenizer(engine_dir.path)
-    windows, prompts = eval_windows(tokenizer, eval_texts, params.quality), text_windows(tokenizer, eval_texts, params.text)
+    quality and text gates of the engine in `engine_dir` will read, before it is loaded."""
     chunk = engine_dir.manifest.profiles["context"].batch.max
-    return record(reference_path, dtype, windows, params.quality, prompts[:, : params.text.prompt_tokens], params.text, chunk)
+    return record(reference_path, dtype, windows.quality, params.quality, windows.text[:, : params.text.prompt_tokens], params.text, chunk)
 
 
 def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams, confidence: float) -> GateResult:

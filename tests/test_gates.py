@@ -127,7 +127,7 @@ def test_where_the_model_and_the_engine_do_not_fit_together_the_model_is_compute
     import gc
 
     import components.runtime
-    from components.gates import compared_gates, gate_engine_dir
+    from components.gates import compared_gates, gate_engine_dir, gate_windows
     from components.resources import GIB
 
     def models_alive() -> int:
@@ -143,16 +143,16 @@ def test_where_the_model_and_the_engine_do_not_fit_together_the_model_is_compute
     texts = data_version.texts("eval")
     report = gate_engine_dir(engine_dir.path, tiny_model.path, texts, params.gates, params.serving.threads)
     assert at_engine_load == [before]  # the model it computed was freed before the engine loaded
-    beside = compared_gates(engine, reference, texts, params.gates)
+    beside = compared_gates(engine, reference, gate_windows(engine_dir.path, texts, params.gates), params.gates)
     for first, alike in zip((report.gate("quality"), report.gate("text")), beside, strict=True):
         assert first.conditions["reference"] == "PyTorch, float32, computed before the engine was loaded"
         assert (first.measured, first.intervals, first.verdict) == (alike.measured, alike.intervals, alike.verdict)
 
 
 def test_a_recorded_reference_refuses_what_it_did_not_record(tiny_model, engine_dir, data_version, params):
-    from components.gates import eval_windows, recorded_reference
+    from components.gates import eval_windows, gate_windows, recorded_reference
 
-    recorded = recorded_reference(engine_dir.path, tiny_model.path, "float32", data_version.texts("eval"), params.gates)
+    recorded = recorded_reference(engine_dir, tiny_model.path, "float32", gate_windows(engine_dir.path, data_version.texts("eval"), params.gates), params.gates)
     windows = eval_windows(EngineTokenizer(engine_dir.path), data_version.texts("eval"), params.gates.quality)
     assert recorded.scores(windows[:2]).top1.shape == (2, windows.shape[1] - 1)
     with pytest.raises(ValueError, match="1 of 1 windows were not recorded"):
