@@ -8,6 +8,7 @@ weights: speed does not depend on them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -22,6 +23,11 @@ from components.config import TORCH_CUDA_ONLY_PRECISIONS, Precision
 from components.errors import KilnError
 from components.progress import stage_progress
 from components.read_floor import ReadFloor, memory_bandwidth, onnx_read_bytes
+from components.resources import Usage, measured, release_freed_memory
+
+from benchmarks.footprint import CostLog, StageCost, serving_cost
+
+COST_LOG = "stage-costs.json"
 
 # Each shape is its family's transformers config, with the family named.
 GPT2_SMALL = {"family": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
@@ -200,13 +206,13 @@ def rows_from_samples(samples: dict[str, list[float]], new_tokens: int, baseline
     return rows
 
 
-def write_json(rows: list[BenchRow], setup: BenchSetup, path: Path, batches: list[int] | None = None) -> None:
-    """The rows as JSON; `batches` gives each row's batch (default: all batch 1)."""
+def write_json(rows: list[BenchRow], setup: BenchSetup, path: Path, batches: list[int] | None = None, costs: list[StageCost] = ()) -> None:
+    """The rows (and the stages' `costs`) as JSON; `batches` gives each row's batch (default: all batch 1)."""
     batches = batches or [1] * len(rows)
     payload = {
         "setup": asdict(setup) | ({"batch": 1} if set(batches) == {1} else {}),
         "rows": [{k: v for k, v in asdict(r).items() if k != "runs_ms"} | {"batch": b, "runs_ms": list(r.runs_ms)} for r, b in zip(rows, batches, strict=True)],
-    }
+    } | ({"stages": [asdict(c) for c in costs]} if costs else {})
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
@@ -224,7 +230,7 @@ def benchmark_calibration(work: Path, vocab: int, setup: BenchSetup):
 
 def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shape: dict = GPT2_SMALL) -> tuple[Path, dict[str, Path]]:
     """The benchmark model and an ONNX Runtime engine per precision, built by the pipeline's
-    own stages (cached in `work` across invocations)."""
+    own stages (cached in `work` across invocations, with what each stage cost: `CostLog`)."""
     from components.config import ExportParams, Int8Params, PrecisionParams
     from components.data import DataVersion
     from components.export import onnx_from_model
@@ -233,8 +239,10 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
 
     widest = max((VARIANTS.get(p, (p,))[0] for p in precisions), key=BYTES_PER_WEIGHT.__getitem__)
     model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed, widest))
-    # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
-    onnx = onnx_from_model(model, ExportParams(parity_tolerance=1e-3), work / "onnx")
+    costs = CostLog(work / COST_LOG)
+    with costs.measure("export", work / "onnx"):
+        # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
+        onnx = onnx_from_model(model, ExportParams(parity_tolerance=1e-3), work / "onnx")
     calibration = benchmark_calibration(work, shape["vocab_size"], setup)
     settings = PrecisionParams(int8=Int8Params(calibration_method="minmax"))
     data = DataVersion(path=work, md5="benchmark")
@@ -244,17 +252,34 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
         if precision not in ORT_PRECISIONS:
             raise KilnError(f"--precisions: {name!r} is not one of {', '.join([*ORT_PRECISIONS, *VARIANTS])}")
         variant = settings.model_copy(update={"int8": settings.int8.model_copy(update={"scheme": scheme})})
-        engines[name] = _in_own_process(_engine, onnx, precision, calibration, variant, model, data, work)
+        with costs.building(f"{name} precision", work / "precision") as graph_cost, costs.building(f"{name} engine", work / "engines") as engine_cost:
+            engines[name], graph, usages = _in_own_process(_engine, onnx, precision, calibration, variant, model, data, work)
+            graph_cost(usages[0])
+            engine_cost(usages[1])
+        costs.chain(engines[name], [onnx.path, graph])
     return model.path, engines
 
 
-def _engine(onnx, precision: str, calibration, settings, model, data, work: Path) -> Path:
+def _engine(onnx, precision: str, calibration, settings, model, data, work: Path) -> tuple[Path, Path, tuple[Usage, Usage]]:
     from components.build import engine_from_onnx
     from components.config import BuildParams
     from components.precision import precision_onnx
 
-    graph = precision_onnx(onnx, precision, calibration, settings, work / "precision")
-    return engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work).path
+    with measured() as graph_usage:
+        graph = precision_onnx(onnx, precision, calibration, settings, work / "precision")
+    release_freed_memory()
+    with measured() as engine_usage:
+        engine = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work)
+    return engine.path, graph.onnx.path, (graph_usage, engine_usage)
+
+
+def stage_costs(work: Path, engines: dict[str, Path], setup: BenchSetup, prompt: list[int]) -> list[StageCost]:
+    """What building the bench's engines cost (where measured when built), then each engine
+    process as `kiln serve` runs it, measured now."""
+    log = CostLog(work / COST_LOG)
+    built = dict.fromkeys(cost for path in engines.values() for cost in log.costs_of(path))  # one export for all
+    served = [dataclasses.replace(serving_cost(path, prompt, setup.new_tokens), stage=f"{name} serve") for name, path in engines.items()]
+    return [*built, *served]
 
 
 def _in_own_process(fn: Callable, *args):
@@ -269,17 +294,20 @@ def _in_own_process(fn: Callable, *args):
 
 def benchmark_rows(
     work: Path, precisions: list[str], setup: BenchSetup, shape: str = "gpt2-small", peer: Callable[[Path], dict[str, Candidate]] | None = None
-) -> list[BenchRow]:
+) -> tuple[list[BenchRow], list[StageCost]]:
     """`kiln bench`: build (or reuse) the engines, time HF and each engine interleaved;
-    `peer` gives more candidates from the model directory (`kiln bench --peer`)."""
+    `peer` gives more candidates from the model directory (`kiln bench --peer`). Also what
+    each stage cost, and each engine process as `kiln serve` runs it (before the timing, so
+    that nothing else is held)."""
     model_dir, engines = benchmark_engines(work / shape, precisions, setup, SHAPES[shape])
     prompt = random_prompts(1, setup.prompt_tokens, SHAPES[shape]["vocab_size"], setup.seed)[0]
+    costs = stage_costs(work / shape, engines, setup, prompt)
     candidates: dict[str, Candidate] = {"hf-eager-fp32": hf_generate_fn(model_dir, prompt, setup.new_tokens)}
     candidates |= {f"kiln-ort-{p}": engine_generate_fn(path, prompt, setup.new_tokens) for p, path in engines.items()}
     candidates |= peer(model_dir) if peer else {}
     rows = rows_from_samples(time_interleaved(candidates, setup), setup.new_tokens, baseline="hf-eager-fp32")
     bandwidth = memory_bandwidth()
-    return rows + [onnx_floor_row(rows, p, path, bandwidth, setup) for p, path in engines.items()]
+    return rows + [onnx_floor_row(rows, p, path, bandwidth, setup) for p, path in engines.items()], costs
 
 
 def read_floor_row(rows: list[BenchRow], baseline: str, precision: str, kiln: str, floor: ReadFloor, setup: BenchSetup) -> BenchRow:

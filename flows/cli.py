@@ -350,12 +350,13 @@ def bench(
     engines = _bench_precisions(precisions or "fp32,int8,int4")
     peer_bench = _bench_peer(peer, llama_cpp, engines, setup, work / shape / "gguf")
     with _one_line_errors():
-        rows = bm.benchmark_rows(work, engines, setup, shape, peer_bench.candidates if peer_bench else None)
+        rows, costs = bm.benchmark_rows(work, engines, setup, shape, peer_bench.candidates if peer_bench else None)
     render.bench_rows(rows, setup, shape)
+    render.stage_costs(costs, shape)
     if peer_bench is not None:
         render.peer_rows(peer_bench.rows(rows), setup, shape)
     if json_path is not None:
-        bm.write_json(rows, setup, json_path)
+        bm.write_json(rows, setup, json_path, costs=costs)
         render.console.print(f"rows written to {json_path}")
 
 

@@ -108,6 +108,20 @@ def bench_rows(rows, setup, shape: str, batch: int = 1) -> None:
     console.print(table)
 
 
+def stage_costs(costs, shape: str) -> None:
+    """Each build stage's time and peak memory (as measured when it was built; a cached
+    stage keeps its numbers), and each engine process as `kiln serve` runs it."""
+    table = Table(
+        title=f"what each stage took, {shape} shape",
+        caption="peak: the process's resident memory at its highest; serve: load, warm-up and the bench's generation in a process of its own",
+    )
+    for column in ("stage", "time", "peak memory"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for cost in costs:
+        table.add_row(cost.stage, f"{cost.seconds:.1f} s", f"{cost.peak_bytes / 2**30:.2f} GiB")
+    console.print(table)
+
+
 def peer_rows(rows, setup, shape: str) -> None:
     """kiln beside llama.cpp, precision by precision, per token of the same work (fits 80 columns)."""
     threads = ", ".join(sorted({str(row.peer_threads) for row in rows}))

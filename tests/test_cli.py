@@ -511,6 +511,11 @@ def test_kiln_bench_prints_the_side_by_side_table_and_writes_json(tmp_path, benc
     floors = {name.split(" floor: ")[0]: row for name, row in every.items() if " floor: " in name}
     assert set(floors) == {"fp32", "int8", "int4"} and all(not row["runs_ms"] and 0 < row["median_ms"] < rows[f"kiln-ort-{p}"]["median_ms"] for p, row in floors.items())
     assert rows["hf-eager-fp32"]["speedup_vs_hf"] == 1.0
+    # What each stage took, built here, and each engine process as `kiln serve` runs it.
+    stages = {cost["stage"]: cost for cost in json.loads((tmp_path / "bench.json").read_text())["stages"]}
+    assert set(stages) == {"export", "fp32 engine", "int8 precision", "int8 engine", "int4 precision", "int4 engine", "fp32 serve", "int8 serve", "int4 serve"}
+    assert all(cost["seconds"] > 0 and 50 << 20 < cost["peak_bytes"] < 8 << 30 for cost in stages.values())
+    assert "what each stage took" in result.stdout
 
 
 def test_kiln_bench_times_tensorrts_int8_form_beside_onnx_runtimes_and_names_an_unknown_precision(tmp_path, bench_cache):
@@ -528,6 +533,9 @@ def test_kiln_bench_times_tensorrts_int8_form_beside_onnx_runtimes_and_names_an_
     assert timed == {"hf-eager-fp32", "kiln-ort-int8", "kiln-ort-int8-qdq"}
     calibrated = {load_engine_dir(d).manifest.lineage.calibration_digest is not None for d in (tmp_path / "work" / "tiny" / "engines").iterdir() if d.is_dir()}
     assert calibrated == {True, False}  # the Q/DQ engine was calibrated, the blocks engine not
+    # The export was reused, not built: a cache hit's seconds never pass for a build's.
+    stages = [cost["stage"] for cost in json.loads((tmp_path / "bench.json").read_text())["stages"]]
+    assert stages == ["int8 precision", "int8 engine", "int8-qdq precision", "int8-qdq engine", "int8 serve", "int8-qdq serve"]
     unknown = kiln("bench", "--precisions", "int9", *args, cwd=tmp_path)
     assert unknown.returncode == 2 and "--precisions: 'int9' is not one of fp32, fp16, int8, int4, int8-qdq" in unknown.stderr
 
