@@ -686,6 +686,8 @@ class ServingParams(_Section):
     """Most choices per prompt (OpenAI's `n`)."""
     chat_template: str | None = None
     """A jinja chat template for versions whose model has none; null: chat completions answer those with 400."""
+    tool_format: Literal["hermes", "llama3_json", "mistral"] | None = None
+    """The tool-call format of a chat template that writes none kiln recognises (Hermes `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`); null: tools on such a version are a 400."""
 
 
 PROMETHEUS_DURATION = r"^[0-9]+(ms|s|m|h|d)$"  # one unit: what a rule's `for` and a scrape interval take

@@ -73,7 +73,7 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
         api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
         webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
         runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting),
-        max_n=config.max_n, chat_template=_chat_template(root, config.chat_template),
+        max_n=config.max_n, chat_template=_chat_template(root, config.chat_template), tool_format=config.tool_format,
     )  # fmt: skip
     host = host or config.host
     if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):

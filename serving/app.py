@@ -24,7 +24,7 @@ from components.errors import KilnError
 from registry import version_tags_by_version
 from serving import handlers
 from serving.engine_process import RuntimeOptions
-from serving.follow import AliasFollower, NothingToServe, ServedEngine
+from serving.follow import AliasFollower, ChatDefaults, NothingToServe, ServedEngine
 from serving.handlers import ApiError
 from serving.metrics import ServerMetrics
 from serving.schemas import ErrorBody, ErrorDetail
@@ -52,12 +52,14 @@ class ServerSettings:
     runtime: RuntimeOptions = RuntimeOptions()
     max_n: int = 8  # choices a prompt (OpenAI's `n`)
     chat_template: Path | None = None  # for a version without a chat template of its own
+    tool_format: str | None = None  # for a version whose template writes no known call format
 
 
 def create_app(source: EngineSource, settings: ServerSettings = ServerSettings()) -> FastAPI:
     metrics = ServerMetrics()
     follower = AliasFollower(
-        source, settings.runtime, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds), chat_template=settings.chat_template
+        source, settings.runtime, on_event=lambda result, served, seconds: _record_swap(metrics, result, served, seconds),
+        chat=ChatDefaults(settings.chat_template, settings.tool_format),
     )
     follower.observe_batches(metrics.observe_batch)
     metrics.watch_engine_process(lambda: follower.current.scheduler.pid if follower.current else None)
@@ -119,9 +121,12 @@ def _routes(app: FastAPI, follower: AliasFollower, metrics: ServerMetrics, setti
         for attempt in (1, 2):
             engine = served()
             handlers.check_model(request, engine)
-            prompts, sampling = prepare(engine)
+            prepared = prepare(engine)
             try:
-                return engine, handlers.submit(prompts, sampling, request, engine, started, app.state.mailbox)
+                job = handlers.submit(prepared, request, engine, started, app.state.mailbox)
+                if prepared.constraint is not None:
+                    metrics.constrained_requests.labels(prepared.constraint.kind).inc()
+                return engine, job
             except ApiError as err:  # swapped between `served()` and `submit`: the new one takes it
                 if err.code != "engine_swapping" or attempt == 2:
                     raise

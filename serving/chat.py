@@ -63,17 +63,20 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: dict[str, str], origin: str) -> None:
         self.origin = origin  # the file it came from, for messages
+        self.source = source
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"the chat template {origin} does not compile: {err}") from None
         self._special = special_tokens
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` (each {"role", "content"}), ending where the assistant's
-        answer begins; ChatTemplateError with the template's own words when it refuses."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt for `messages` (each {"role", "content"}, with an assistant's earlier
+        `tool_calls`), ending where the assistant's answer begins, with `tools` (OpenAI's
+        function definitions, as transformers passes them); ChatTemplateError with the
+        template's own words when it refuses."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self._special)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None, **self._special)
         except jinja2.TemplateError as err:  # raise_exception(...) included: the template's own refusal
             raise ChatTemplateError(f"the chat template refused these messages: {err}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:

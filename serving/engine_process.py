@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection
 from components.errors import VersionRefused
 from serving.engine_client import EngineLost
 from serving.loader import PulledVersion
-from serving.scheduler import Delta, Event, Failed, Finished, Limits, QueueFull, Scheduler, SchedulerClosed, Sequence
+from serving.scheduler import Delta, Event, Failed, Finished, Limits, QueueFull, Scheduler, SchedulerClosed, Sequence, Turn, ignore_turn
 
 log = logging.getLogger("kiln.serving")
 
@@ -70,7 +70,7 @@ class EngineProcess:
         self,
         pulled: PulledVersion,
         options: RuntimeOptions,
-        observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None,
+        observe: Callable[[Turn], None] = ignore_turn,
         on_lost: Callable[[], None] = lambda: None,
     ) -> None:
         self.limits = Limits.of(pulled.engine_dir.manifest, options.max_batch)
@@ -173,7 +173,7 @@ class EngineProcess:
         """Apply each turn's message to the mirrored sequences, until the child exits."""
         while True:
             try:
-                running, waiting, decoded, items = self._events.recv()
+                turn, items = self._events.recv()
             except (EOFError, OSError):
                 break
             with self._lock:  # once per turn, not per token: each item's sequence, a finished one leaving
@@ -181,8 +181,8 @@ class EngineProcess:
             for item, seq in targets:
                 if seq is not None:  # None: cancelled here, its client has gone
                     self._apply(item, seq)
-            self._running, self._waiting = running, waiting
-            self._observe(running, waiting, decoded)
+            self._running, self._waiting = turn.running, turn.waiting
+            self._observe(turn)
         self._process.join(10)  # its end of the pipe is closed: it has exited or is exiting
         self._running = self._waiting = 0
         with self._lock:
@@ -263,7 +263,7 @@ def _submit(scheduler: Scheduler, sequences: list[Sequence], outbox: _Outbox) ->
     except (QueueFull, SchedulerClosed) as err:  # the server's line is the shorter one: a bug if it happens
         for seq in sequences:
             seq.emit(Failed(f"the engine process refused the sequence: {err}"))
-        outbox.flush(scheduler.running, scheduler.waiting, 0)
+        outbox.flush(Turn(scheduler.running, scheduler.waiting, 0))
 
 
 def _child_sequence(spec: tuple, outbox: _Outbox, held: dict[int, Sequence]) -> Sequence:
@@ -304,7 +304,7 @@ class _Outbox:
         with self._lock:
             self._items.append(item)
 
-    def flush(self, running: int, waiting: int, decoded: int) -> None:
+    def flush(self, turn: Turn) -> None:
         with self._lock:
             items, self._items = self._items, []
-            self._events.send((running, waiting, decoded, items))
+            self._events.send((turn, items))

@@ -25,7 +25,9 @@ from serving.chat import ChatTemplate, ChatTemplateError, chat_template_for
 from serving.engine_client import EngineClient
 from serving.engine_process import EngineProcess, RuntimeOptions
 from serving.loader import PulledVersion
-from serving.scheduler import Limits
+from serving.scheduler import Limits, Turn, ignore_turn
+from serving.structured import GrammarContext
+from serving.tools import FORMATS, ToolFormat, format_of_template
 from serving.sources import EngineSource
 
 log = logging.getLogger("kiln.serving")
@@ -47,6 +49,15 @@ def kv_memory_text(manifest: EngineManifest, max_batch: int | None) -> str:
     return f"KV cache: {manifest.kv_bytes_per_token / 1024:.1f} KiB a token a sequence; {sequences} × {limits.max_total} tokens take {size} at most"
 
 
+@dataclass(frozen=True)
+class ChatDefaults:
+    """For versions whose own files say nothing: serving.chat_template (a file) and
+    serving.tool_format (the call format of a template that writes no known markers)."""
+
+    template: Path | None = None
+    tool_format: str | None = None
+
+
 @dataclass
 class ServedEngine:
     pulled: PulledVersion
@@ -55,6 +66,8 @@ class ServedEngine:
     load_seconds: float
     created: int  # Unix seconds, for OpenAI's `created`
     chat_template: ChatTemplate | None = None  # the version's own, else serving.chat_template's
+    tool_format: ToolFormat | None = None  # what its template teaches, else serving.tool_format's
+    grammar: GrammarContext | None = None  # what requests' grammars are checked against
 
     @property
     def model(self) -> str:
@@ -79,17 +92,21 @@ class ServedEngine:
 
 
 def start_engine(
-    pulled: PulledVersion, options: RuntimeOptions, observe: Callable[[int, int, int], None], on_lost: Callable[[], None], chat_template: Path | None = None
+    pulled: PulledVersion, options: RuntimeOptions, observe: Callable[[Turn], None], on_lost: Callable[[], None], chat: ChatDefaults = ChatDefaults()
 ) -> ServedEngine:
     """Load a pulled version in an engine process, through the runtime the gates used, and
     warm it; VersionRefused when it cannot serve (its chat template does not compile, too)."""
     started = time.perf_counter()
     try:
-        template = chat_template_for(pulled.engine_dir.path, chat_template)
+        template = chat_template_for(pulled.engine_dir.path, chat.template)
     except ChatTemplateError as err:
         raise VersionRefused(f"{pulled.label} is refused: {err}") from None
     process = EngineProcess(pulled, options, observe=observe, on_lost=on_lost)
-    return ServedEngine(pulled, process, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()), template)
+    manifest = pulled.engine_dir.manifest
+    tool_format = (format_of_template(template.source) if template else None) or (FORMATS[chat.tool_format] if chat.tool_format else None)
+    grammar = GrammarContext(pulled.engine_dir.path, manifest.vocab_size, tuple(sorted(manifest.stop_ids)))
+    return ServedEngine(pulled, process, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()), template, tool_format, grammar)
+
 
 
 class AliasFollower:
@@ -97,18 +114,18 @@ class AliasFollower:
     safe to call from several threads (one swap at a time)."""
 
     def __init__(
-        self, source: EngineSource, options: RuntimeOptions, on_event: Callable[[str, ServedEngine | None, float], None], chat_template: Path | None = None
+        self, source: EngineSource, options: RuntimeOptions, on_event: Callable[[str, ServedEngine | None, float], None], chat: ChatDefaults = ChatDefaults()
     ) -> None:
         self.source, self.options = source, options
-        self.chat_template = chat_template  # for versions without a template of their own
+        self.chat = chat  # for versions without a template (or tool format) of their own
         self.current: ServedEngine | None = None
         self._on_event = on_event  # (result, served, seconds): the app's metrics
-        self._observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None
+        self._observe: Callable[[Turn], None] = ignore_turn
         self._lock = threading.Lock()
         self._refused: set[str] = set()
         self._closed = False  # after `close`, nothing is loaded again
 
-    def observe_batches(self, observe: Callable[[int, int, int], None]) -> None:
+    def observe_batches(self, observe: Callable[[Turn], None]) -> None:
         self._observe = observe
 
     def follow(self, retry_refused: bool = False) -> str:
@@ -132,7 +149,7 @@ class AliasFollower:
     def _swap_to(self, info: VersionInfo) -> str:
         try:
             started = time.perf_counter()
-            new = start_engine(self.source.pull(info), self.options, self._observe, on_lost=self._reload, chat_template=self.chat_template)
+            new = start_engine(self.source.pull(info), self.options, self._observe, on_lost=self._reload, chat=self.chat)
         except Exception as err:  # VersionRefused, the registry failing mid-pull, or a runtime's own error: never served
             self._refused.add(info.version)
             self._on_event("refused", self.current, time.perf_counter() - started)

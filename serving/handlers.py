@@ -36,11 +36,15 @@ from serving.schemas import (
     Completion,
     CompletionLogprobs,
     CompletionRequest,
+    FunctionCall,
     ModelCard,
     ModelList,
+    ToolCall,
     Usage,
 )
 from serving.sse import LAST_EVENT
+from serving.structured import Constraint, ConstraintError, ToolPlan, chat_constraint, completion_constraint
+from serving.tools import CallDelta
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -116,6 +120,7 @@ class Submitted:
     n: int
     events: asyncio.Queue
     started: float  # time.monotonic(), the clock of the sequences' token times
+    constraint: Constraint | None = None  # what the output must be (its tool calls are read back)
     done: set[int] = field(default_factory=set)
 
     def prompt_of(self, index: int) -> Prompt:
@@ -177,10 +182,13 @@ def chat_prompt(request: ChatCompletionRequest, served: ServedEngine) -> Prompt:
     stand (the template writes the special tokens), as transformers' apply_chat_template does."""
     if served.chat_template is None:
         raise ApiError(400, f"{served.model} version {served.version} has no chat template (its tokenizer_config.json or chat_template.jinja defines none, and serving.chat_template names none): use /v1/completions", param="messages", code="no_chat_template")
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     try:
-        text = served.chat_template.render([message.for_template() for message in request.messages])
+        text = served.chat_template.render([message.for_template() for message in request.messages], tools=tools)
     except ChatTemplateError as err:
         raise ApiError(400, str(err), param="messages", code="chat_template_error") from None
+    except ValueError as err:  # an earlier call's arguments that are not JSON
+        raise ApiError(400, f"messages: {err}", param="messages") from None
     ids = served.tokenizer.encode(text)
     if not ids:
         raise ApiError(400, "the messages render to no tokens", param="messages")
@@ -194,8 +202,18 @@ def chat_max_tokens(request: ChatCompletionRequest, prompt: Prompt, served: Serv
     return max(1, min(server_limit, served.scheduler.limits.max_total - len(prompt.ids)))
 
 
-def submit(prompts: list[Prompt], sampling: Sampling, request: CompletionRequest | ChatCompletionRequest, served: ServedEngine, started: float, mailbox: Mailbox) -> Submitted:
+@dataclass(frozen=True)
+class Prepared:
+    """A request as its engine takes it: prompts, how to sample them, what they must spell."""
+
+    prompts: list[Prompt]
+    sampling: Sampling
+    constraint: Constraint | None = None
+
+
+def submit(prepared: Prepared, request: CompletionRequest | ChatCompletionRequest, served: ServedEngine, started: float, mailbox: Mailbox) -> Submitted:
     """Queue `request.n` sequences for each prompt, each choice on its own seed stream."""
+    prompts, sampling = prepared.prompts, prepared.sampling
     events: asyncio.Queue = asyncio.Queue()
     count = len(prompts) * request.n
     if count > served.scheduler.max_waiting:  # a 503 would have it retry what can never fit
@@ -215,28 +233,40 @@ def submit(prompts: list[Prompt], sampling: Sampling, request: CompletionRequest
         raise _busy(f"the engine is not running: {err}", "engine_lost") from None
     except SchedulerClosed as err:
         raise _busy(f"the engine is being swapped: {err}; retry", "engine_swapping") from None
-    return Submitted(sequences, prompts, request.n, events, started)
+    return Submitted(sequences, prompts, request.n, events, started, prepared.constraint)
 
 
-def completion_prepared(request: CompletionRequest, served: ServedEngine, server_limit: int) -> tuple[list[Prompt], Sampling]:
-    """A completion's prompts on the served engine, and how to sample them."""
+def completion_prepared(request: CompletionRequest, served: ServedEngine, server_limit: int) -> Prepared:
+    """A completion's prompts on the served engine, how to sample them, and their grammar."""
     asked = request.logprobs
+    constraint = _checked(lambda: completion_constraint(request, served.grammar))
     sampling = Sampling(
         max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop_at_eos=not request.ignore_eos,
-        logprobs=asked, prompt_logprobs=asked if request.echo else None,
+        logprobs=asked, prompt_logprobs=asked if request.echo else None, grammar=constraint.grammar if constraint else None,
     )  # fmt: skip
-    return completion_prompts(request, served), sampling
+    return Prepared(completion_prompts(request, served), sampling, constraint)
 
 
-def chat_prepared(request: ChatCompletionRequest, served: ServedEngine, server_limit: int) -> tuple[list[Prompt], Sampling]:
-    """A chat's rendered prompt on the served engine, and how to sample it (max_tokens by
-    default: what the server and the engine's context leave)."""
+def chat_prepared(request: ChatCompletionRequest, served: ServedEngine, server_limit: int) -> Prepared:
+    """A chat's rendered prompt on the served engine, how to sample it (max_tokens by
+    default: what the server and the engine's context leave), and its grammar (its tools',
+    its response_format's)."""
+    constraint = _checked(lambda: chat_constraint(request, served.grammar, served.tool_format))
     prompt = chat_prompt(request, served)
     sampling = Sampling(
         max_new_tokens=chat_max_tokens(request, prompt, served, server_limit), temperature=request.temperature, top_p=request.top_p,
         seed=request.seed, stop_at_eos=not request.ignore_eos, logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        grammar=constraint.grammar if constraint else None,
     )  # fmt: skip
-    return [prompt], sampling
+    return Prepared([prompt], sampling, constraint)
+
+
+def _checked(constraint_of):
+    """The request's constraint, or a 400 naming what in it is wrong."""
+    try:
+        return constraint_of()
+    except ConstraintError as err:
+        raise ApiError(400, str(err), param=err.param, code="invalid_constraint") from None
 
 
 def _busy(message: str, code: str) -> ApiError:
@@ -287,16 +317,35 @@ def _completion_logprobs(served: ServedEngine, job: Submitted, index: int, reque
 
 
 async def complete_chat(served: ServedEngine, job: Submitted, request: ChatCompletionRequest) -> ChatCompletion:
-    """The whole chat completion once every choice has ended."""
+    """The whole chat completion once every choice has ended; with tools, each choice's
+    calls read out of its text."""
     finished = await finished_of(job)
-    choices = [
-        ChatChoice(
-            index=i, message=AssistantMessage(content=seq.text), finish_reason=finished[i].reason,
-            logprobs=ChatLogprobs(content=chat_logprobs(served.tokenizer, seq.generated, seq.logprobs)) if request.logprobs else None,
-        )  # fmt: skip
-        for i, seq in enumerate(job.sequences)
-    ]
+    plan = job.constraint.tools if job.constraint else None
+    choices = []
+    for i, seq in enumerate(job.sequences):
+        logprobs = ChatLogprobs(content=chat_logprobs(served.tokenizer, seq.generated, seq.logprobs)) if request.logprobs else None
+        message, reason = AssistantMessage(content=seq.text), finished[i].reason
+        if plan is not None:
+            reader = plan.reader()
+            reader.feed(served.tokenizer.decode(seq.generated, skip_special_tokens=not _marker_is_special(served, plan)), final=True)
+            calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in reader.calls if c.complete]
+            message, reason = AssistantMessage(content=reader.content or None, tool_calls=calls or None), tool_finish(plan, bool(calls), reason)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
     return ChatCompletion(id=job_id("chatcmpl"), created=int(time.time()), model=served.model, choices=choices, usage=usage_of(finished.values()))
+
+
+def tool_finish(plan: ToolPlan, called: bool, reason: str) -> str:
+    """OpenAI's finish_reason for an answer with tools: `tool_calls` where it made calls (a
+    named function: `stop`), `length` where max_tokens cut it."""
+    if reason == "length" or not called:
+        return reason
+    return "stop" if plan.named else "tool_calls"
+
+
+def _marker_is_special(served: ServedEngine, plan: ToolPlan) -> bool:
+    """The calls' text needs the special tokens kept where the format's marker is one
+    (Mistral's [TOOL_CALLS]); elsewhere they stay out, as in any answer's text."""
+    return not served.grammar.decoded_as_text(plan.fmt.trigger)
 
 
 async def stream(served: ServedEngine, job: Submitted, request: CompletionRequest) -> AsyncIterator[str]:
@@ -363,9 +412,54 @@ async def stream_chat(served: ServedEngine, job: Submitted, request: ChatComplet
     def usage_chunk(usage: Usage) -> str:
         return f"data: {json.dumps(head | {'choices': [], 'usage': usage.model_dump()}, ensure_ascii=False)}\n\n" if request.include_usage else ""
 
+    plan = job.constraint.tools if job.constraint else None
+    if plan is not None:
+        delta, last = _tool_deltas(served, job, request, plan, chunk)
+    else:
+        last = lambda index, event, usage: chunk(index, {}, event.reason)  # noqa: E731
     ready = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(job.sequences))]
-    async for piece in _stream_events(job, ready, delta, lambda index, event, usage: chunk(index, {}, event.reason), usage_chunk):
+    async for piece in _stream_events(job, ready, delta, last, usage_chunk):
         yield piece
+
+
+def _tool_deltas(served: ServedEngine, job: Submitted, request: ChatCompletionRequest, plan: ToolPlan, chunk):
+    """`delta` and `last` for a chat with tools: each choice's text read as it grows, content
+    as content and each call as OpenAI streams one (its first delta with id, type and name,
+    then fragments of its arguments); no call's markup reaches the content."""
+    keep = _marker_is_special(served, plan)
+    readers = [plan.reader() for _ in job.sequences]
+    decoders = [served.tokenizer.stream_decoder(skip_special_tokens=not keep) for _ in job.sequences]
+    texts, sent, called = [""] * len(job.sequences), [0] * len(job.sequences), [False] * len(job.sequences)
+
+    def pieces(index: int, upto: int, final: bool = False) -> str:
+        seq = job.sequences[index]
+        texts[index] += "".join(decoders[index](token) or "" for token in seq.generated[sent[index] : upto])
+        logprobs = chat_logprobs(served.tokenizer, seq.generated[sent[index] : upto], seq.logprobs[sent[index] : upto]) if request.logprobs else []
+        sent[index] = upto
+        out = []
+        for item in readers[index].feed(texts[index], final):
+            if isinstance(item, CallDelta):
+                called[index] = True
+                out.append(chunk(index, {"tool_calls": [_call_delta(item)]}))
+            else:
+                out.append(chunk(index, {"content": item}))
+        if logprobs:
+            out.append(chunk(index, {"content": ""}, logprobs=[entry.model_dump() for entry in logprobs]))
+        return "".join(out)
+
+    def delta(index: int, event: Delta) -> str:
+        return pieces(index, event.tokens)
+
+    def last(index: int, event: Finished, usage: Usage | None) -> str:
+        return pieces(index, len(job.sequences[index].generated), final=True) + chunk(index, {}, tool_finish(plan, called[index], event.reason))
+
+    return delta, last
+
+
+def _call_delta(item: CallDelta) -> dict:
+    if item.id is None:
+        return {"index": item.index, "function": {"arguments": item.arguments}}
+    return {"index": item.index, "id": item.id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
 
 
 async def _stream_events(job: Submitted, ready: list[str], delta, last, usage_chunk) -> AsyncIterator[str]:

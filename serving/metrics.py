@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from registry.tags import GATES_PASSED, PRECISION
+from serving.scheduler import Turn
 from serving.series import DECODED_ROWS, GENERATED_TOKENS, PROMPT_TOKENS, QUEUE_DEPTH, RUNNING_BATCH
 
 # Request times on a 2-core CPU run from milliseconds (one token) to seconds (a long stream).
@@ -44,6 +45,12 @@ class ServerMetrics:
         # Batching at work: decoded rows over decode steps is the mean batch a step served.
         self.decode_steps = Counter("kiln_decode_steps_total", "Decode steps run (one per turn with a running batch).", registry=r)
         self.decoded_rows = Counter(*DECODED_ROWS, registry=r)
+        # Constrained decoding: mask seconds over masked tokens is the mask's time per token.
+        self.constrained_requests = Counter(
+            "kiln_constrained_requests_total", "Requests whose output a grammar constrains, by what it is.", ["kind"], registry=r
+        )
+        self.grammar_mask_seconds = Counter("kiln_grammar_mask_seconds_total", "Time the engine spent filling grammars' token masks.", registry=r)
+        self.grammar_masked_tokens = Counter("kiln_grammar_masked_tokens_total", "Tokens picked under a grammar's mask.", registry=r)
         self.engine_load = Histogram(
             "kiln_engine_load_seconds", "Pull, verify, load and warm-up of an engine.", registry=r, buckets=_REQUEST_BUCKETS
         )
@@ -64,12 +71,15 @@ class ServerMetrics:
         if self.gpu is not None:
             self.gpu.engine_pid = pid
 
-    def observe_batch(self, running: int, waiting: int, decoded: int) -> None:
-        self.running_batch.set(running)
-        self.queue_depth.set(waiting)
-        if decoded:
+    def observe_batch(self, turn: Turn) -> None:
+        self.running_batch.set(turn.running)
+        self.queue_depth.set(turn.waiting)
+        if turn.decoded:
             self.decode_steps.inc()
-            self.decoded_rows.inc(decoded)
+            self.decoded_rows.inc(turn.decoded)
+        if turn.masked_rows:
+            self.grammar_mask_seconds.inc(turn.mask_seconds)
+            self.grammar_masked_tokens.inc(turn.masked_rows)
 
 
 class GpuCollector(Collector):

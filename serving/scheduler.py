@@ -82,6 +82,22 @@ class Failed:
 Event = Delta | Finished | Failed
 
 
+@dataclass(frozen=True)
+class Turn:
+    """What one turn did, for the server's gauges and counters: the batch, the line, the
+    rows decoded, and the grammars' masks (seconds spent filling them, rows masked)."""
+
+    running: int
+    waiting: int
+    decoded: int
+    mask_seconds: float = 0.0
+    masked_rows: int = 0
+
+
+def ignore_turn(turn: Turn) -> None:
+    """The default observer."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One prompt being completed. `emit` is called from the scheduler's thread (in kiln
@@ -158,7 +174,7 @@ class Scheduler:
         tokenizer: EngineTokenizer,
         max_waiting: int,
         max_batch: int | None = None,
-        observe: Callable[[int, int, int], None] = lambda running, waiting, decoded: None,
+        observe: Callable[[Turn], None] = ignore_turn,
     ) -> None:
         self.engine = engine
         self.limits = Limits.of(engine.manifest, max_batch)
@@ -229,7 +245,7 @@ class Scheduler:
                 decoded = self._turn()
             except Exception as err:  # an engine failure ends the sequences it touched, not the server
                 self._fail_all(f"the engine failed: {type(err).__name__}: {err}")
-            self._observe(self._live, len(self._waiting), decoded)
+            self._observe(Turn(self._live, len(self._waiting), decoded, *self.engine.mask_clock.read()))
 
     def _turn(self) -> int:
         """The turn's decode steps for the running batch, then admissions; returns the rows decoded."""
@@ -363,8 +379,8 @@ class Scheduler:
         seq = r.seq
         if seq.sampling.max_new_tokens == 0:
             return "length"
-        if seq.sampling.stop_at_eos and token in self.engine.manifest.stop_ids:
-            return "stop"
+        if token in self.engine.manifest.stop_ids and (seq.sampling.stop_at_eos or r.draws.constraint is not None):
+            return "stop"  # a grammar allows end of text where it is complete, and only that once it has ended
         seq.generated.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)

@@ -8,6 +8,7 @@ coerced (a `"max_tokens": "10"` is a mistake the client should hear about).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -64,7 +65,38 @@ class _SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a list of choices
+    or a Lark grammar, so that clients written for vLLM work unchanged."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True, use_attribute_docstrings=True)
+
+    json_schema: object = Field(None, alias="json")
+    """A JSON schema (an object, or its text) the output must match; checked when compiled."""
+    regex: str | None = None
+    """A regular expression the whole output must match."""
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect) the output must match."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name, value in (("json", self.json_schema), ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar)) if value is not None]
+        if len(given) != 1:
+            raise PydanticCustomError("structured_outputs", "structured_outputs takes exactly one of json, regex, choice or grammar, not {given}", {"given": ", ".join(given) or "none"})
+        return self
+
+
+class _StructuredRequest(_SamplingRequest):
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's extension: constrain the output to a JSON schema, regex, choice or grammar."""
+
+
+class CompletionRequest(_StructuredRequest):
     prompt: NonEmptyText | TextList | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     """Text, a list of texts, or (as OpenAI's API allows) token ids: one list, or a list of lists."""
     max_tokens: Annotated[int, Field(ge=0)] = 16
@@ -102,22 +134,138 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str
+    """The arguments as JSON text, as the model wrote them."""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
-    """Text, or a list of text parts (joined by newlines)."""
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    """Text, or a list of text parts (joined by newlines); null only for an assistant's tool calls."""
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+    """An assistant's earlier calls, rendered back into the conversation."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
-    def for_template(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _says_something(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("messages", "only an assistant message carries tool_calls, not a {role} message", {"role": self.role})
+        if self.content is None and self.tool_calls is None:
+            raise PydanticCustomError("messages", "a {role} message needs content", {"role": self.role})
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("messages", "a tool message needs tool_call_id: the call it answers")
+        return self
+
+    def for_template(self) -> dict:
         """The message as chat templates read it: text parts joined by newlines (what vLLM
-        does for templates that expect a string, which most do)."""
-        content = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        does for templates that expect a string, which most do); a call's arguments as an
+        object, as transformers' templates take them (ValueError: arguments that are not
+        JSON)."""
+        content = self.content if self.content is None or isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+        message = {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}} for call in self.tool_calls
+            ]
+        return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"a tool call's arguments are not JSON: {err}") from None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+    name: FunctionName
+    """Letters, digits, _ and -, at most 64."""
+    description: str | None = None
+    parameters: dict | None = None
+    """The arguments' JSON schema: an object schema; null takes none."""
+    strict: bool | None = None
+    """Accepted: kiln constrains every call to its schema."""
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, parameters):
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError(f"parameters must be an object schema (type object), not type {parameters.get('type')!r}")
+        return parameters
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: FunctionName
+    description: str | None = None
+    json_schema: object = Field(None, alias="schema")  # checked when compiled, naming what is wrong
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
+class ChatCompletionRequest(_StructuredRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     """The conversation, rendered with the served version's chat template."""
     max_tokens: Annotated[int, Field(gt=0)] | None = None
@@ -128,11 +276,35 @@ class ChatCompletionRequest(_SamplingRequest):
     """Each generated token's log probability."""
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     """With logprobs: this many alternatives per token."""
+    response_format: ResponseFormat | None = None
+    """`text`, `json_object` (any JSON object) or `json_schema` (one that matches the schema)."""
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    """Functions the model may call, rendered into its chat template."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """none, auto (the default with tools), required, or a named function."""
+    parallel_tool_calls: bool = True
+    """More than one call in an answer."""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_are_known(self):
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise PydanticCustomError("tools", "tools: the function '{name}' is defined twice", {"name": next(n for n in names if names.count(n) > 1)})
+        if self.tool_choice not in (None, "none") and not names:
+            raise PydanticCustomError("tool_choice", "tool_choice needs tools to choose from")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise PydanticCustomError("tool_choice", "tool_choice names '{name}', which is not in tools ({names})", {"name": self.tool_choice.function.name, "names": ", ".join(names)})
+        constrained = self.structured_outputs is not None or (self.response_format is not None and self.response_format.type != "text")
+        if names and self.tool_choice != "none" and constrained:
+            raise PydanticCustomError("tools", "tools and response_format (or structured_outputs) cannot constrain one answer together: send one of them")
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise PydanticCustomError("response_format", "response_format and structured_outputs both constrain the answer: send one of them")
         return self
 
     @property
@@ -189,14 +361,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):

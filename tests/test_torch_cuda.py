@@ -318,7 +318,7 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
     tokenizer = EngineTokenizer(engine_dir.path)
     torch_engine_ = open_engine(cpu_engine_dir)
     done, batches = threading.Semaphore(0), []
-    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=32, observe=lambda running, waiting, decoded: batches.append(decoded))
+    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=32, observe=lambda turn: batches.append(turn.decoded))
 
     def sequence(text: str, sampling: Sampling) -> Sequence:
         return Sequence(tokenizer.encode(text), sampling, lambda e: done.release() if isinstance(e, Finished) else None)
@@ -334,6 +334,42 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
     for seq in greedy:
         assert seq.generated == engine.generate([seq.prompt], seq.sampling)[0]
     assert sampled[0].generated == sampled[1].generated and len(sampled[0].generated) == 9
+    assert scheduler.close(timeout=10)
+
+
+def test_constrained_rows_on_the_torch_engine_parse_and_leave_the_free_rows_of_their_batch_alone(cpu_engine_dir, engine, engine_dir):
+    """A grammar's mask on the torch-cuda engine (here on the CPU): the batch takes one-step
+    turns with its logits on the host; the constrained answers parse, the free greedy rows
+    equal the ONNX Runtime engine's, and a seeded constrained row equals itself alone."""
+    import json
+    import threading
+
+    from components.runtime import open_engine
+    from components.runtime.grammar import json_schema_grammar
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    torch_engine_ = open_engine(cpu_engine_dir)
+    done = threading.Semaphore(0)
+    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=32)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+    grammar = json_schema_grammar(schema)
+
+    def sequence(text: str, sampling: Sampling) -> Sequence:
+        return Sequence(tokenizer.encode(text), sampling, lambda e: done.release() if isinstance(e, Finished) else None)
+
+    free = [sequence(f"The list {i}", Sampling(max_new_tokens=6, stop_at_eos=False)) for i in range(3)]
+    constrained = [sequence("A function is", Sampling(max_new_tokens=40, temperature=0.9, seed=5, grammar=grammar)) for _ in range(2)]
+    scheduler.submit(free + constrained[:1])
+    for _ in range(4):
+        assert done.acquire(timeout=60)
+    scheduler.submit(constrained[1:])
+    assert done.acquire(timeout=60)
+    answer = json.loads(tokenizer.decode(constrained[0].generated))
+    assert set(answer) == {"n", "ok"} and 0 <= answer["n"] <= 999
+    assert constrained[0].generated == constrained[1].generated
+    for seq in free:
+        assert seq.generated == engine.generate([seq.prompt], seq.sampling)[0]
     assert scheduler.close(timeout=10)
 
 

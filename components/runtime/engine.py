@@ -14,6 +14,7 @@ import numpy as np
 
 from components.engine_dir import LOGITS_POSITIONS, EngineDir
 from components.errors import ShapeOutOfProfile
+from components.runtime.grammar import MaskClock
 from components.runtime.logprobs import TokenLogprob, logprobs_of
 from components.runtime.sampling import Draws, Sampling, pick_each, pick_next
 
@@ -112,6 +113,7 @@ class Engine(ABC):
     def __init__(self, engine_dir: EngineDir) -> None:
         self.engine_dir = engine_dir
         self.manifest = engine_dir.manifest
+        self.mask_clock = MaskClock()  # time spent on grammars' masks, read by the server's metrics
 
     def close(self) -> None:
         """Release the backend's resources; the engine is unusable afterwards."""
@@ -172,14 +174,36 @@ class Engine(ABC):
 
     def pick(self, logits: np.ndarray, draws: list[Draws]) -> Picked:
         """Row i's next token from `logits` (rows, vocab) with `draws[i]`'s own sampling
-        (continuous batching mixes requests), and its log probabilities where asked."""
-        tokens, failed = pick_each(logits, [d.sampling for d in draws], [None if d.sampling.greedy else d.rng for d in draws])
+        (continuous batching mixes requests), within its grammar where it has one, and its
+        log probabilities (of the masked logits) where asked."""
+        logits, failed = self.constrained(logits, draws)
+        tokens, failed_draws = pick_each(logits, [d.sampling for d in draws], [None if d.sampling.greedy else d.rng for d in draws])
+        failed |= failed_draws
         logprobs = {
             row: logprobs_of(logits[row : row + 1], [int(tokens[row])], d.sampling.logprobs)
             for row, d in enumerate(draws)
             if d.sampling.logprobs is not None and row not in failed
         }
-        return Picked(tokens[:, None], logprobs, failed)
+        return Picked(tokens[:, None], logprobs, failed | advanced(draws, tokens, failed))
+
+    def constrained(self, logits: np.ndarray, draws: list[Draws]) -> tuple[np.ndarray, dict[int, str]]:
+        """`logits` with what each row's grammar forbids at -inf (the same array where no
+        row has one), and the rows that cannot go on, with the reason."""
+        if all(d.sampling.grammar is None for d in draws):
+            return logits, {}
+        from components.runtime.grammar import Constraint, GrammarError, grammar_tokenizer, masked
+
+        failed = {}
+        for row, d in enumerate(draws):
+            if d.sampling.grammar is not None and d.constraint is None:
+                try:
+                    tokenizer = grammar_tokenizer(self.engine_dir.path / "tokenizer.json", logits.shape[-1], tuple(sorted(self.manifest.stop_ids)))
+                    d.constraint = Constraint(tokenizer, d.sampling.grammar)
+                except GrammarError as err:  # the server checked it: only a grammar that outgrows a limit gets here
+                    failed[row] = f"the grammar cannot be used: {err}"
+        constraints = [None if row in failed else d.constraint for row, d in enumerate(draws)]
+        logits, refused = masked(logits, constraints, self.mask_clock)
+        return logits, failed | refused
 
     def decode_turn(self, state: DecodeState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1, room: int = 0) -> tuple[Picked, DecodeState]:
         """`steps` (at most `max_turn_steps`) decode steps for every row, each sampling with
@@ -260,6 +284,15 @@ class Engine(ABC):
         limit = self.manifest.profiles["generation"].past.max + 1
         if total > limit:
             raise ShapeOutOfProfile(f"prompt plus max_tokens is {total} tokens; the engine's profile allows {limit}")
+
+
+def advanced(draws: list[Draws], tokens: np.ndarray, failed: dict[int, str]) -> dict[int, str]:
+    """Each constrained row's grammar past its picked token; the rows where it would not go."""
+    refused = {}
+    for row, d in enumerate(draws):
+        if d.constraint is not None and row not in failed and (reason := d.constraint.advance(int(tokens[row]))):
+            refused[row] = reason
+    return refused
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

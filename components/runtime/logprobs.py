@@ -2,7 +2,8 @@
 
 They are the log-softmax of the model's own logits, before temperature and top-p (vLLM's
 default, `raw_logprobs`), so a token's log probability means the same whatever the request
-sampled with. Computed only for sequences that ask.
+sampled with; under a grammar, of the logits its mask left (what the choice was made from).
+Computed only for sequences that ask.
 """
 
 from __future__ import annotations
@@ -40,4 +41,5 @@ def logprobs_of(logits: np.ndarray, chosen: Sequence[int], top: int) -> list[Tok
     best_lp = np.take_along_axis(logprobs, best, -1)
     order = np.argsort(-best_lp, axis=-1, kind="stable")
     best, best_lp = np.take_along_axis(best, order, -1).tolist(), np.take_along_axis(best_lp, order, -1).tolist()
-    return [TokenLogprob(p, tuple(zip(ids, lps, strict=True))) for p, ids, lps in zip(picked, best, best_lp, strict=True)]
+    # A grammar's forbidden tokens are -inf: never listed, though fewer than `top` remain.
+    return [TokenLogprob(p, tuple((i, lp) for i, lp in zip(ids, lps, strict=True) if lp > -np.inf)) for p, ids, lps in zip(picked, best, best_lp, strict=True)]

@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from components.runtime.grammar import Constraint
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,9 @@ class Sampling:
     # alternatives (0: none); None: not asked, nothing computed.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (`echo`)
+    # What the tokens must spell, in llguidance's grammar form (runtime.grammar): only the
+    # tokens it allows are drawn, and the sequence ends when it is complete. None: any text.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, not at the first draw: in a batch, a sampling that fails mid-step
@@ -57,6 +64,7 @@ class Draws:
 
     sampling: Sampling
     drawn: int = 0
+    constraint: Constraint | None = None  # the sampling's grammar as it advances (made by the engine)
     _rng: np.random.Generator | None = field(default=None, repr=False)
     _key: int | None = field(default=None, repr=False)
 

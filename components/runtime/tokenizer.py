@@ -22,19 +22,20 @@ class EngineTokenizer:
         encode a prompt."""
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included (`<s>`), as logprobs name tokens; part
         of a character split over tokens is U+FFFD."""
         return self._tokenizer.decode([token], skip_special_tokens=False)
 
-    def stream_decoder(self) -> Callable[[int], str | None]:
+    def stream_decoder(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
         """Text one token at a time, as `decode` would give it for the whole sequence:
         `tokenizers`' DecodeStream keeps the pending bytes of a character split over
-        tokens (None until it is complete), at constant cost per token."""
+        tokens (None until it is complete), at constant cost per token. Special tokens are
+        left out unless asked for (a tool call's `[TOOL_CALLS]` is one)."""
         from tokenizers.decoders import DecodeStream
 
-        stream = DecodeStream(skip_special_tokens=True)
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         return lambda token: stream.step(self._tokenizer, token)

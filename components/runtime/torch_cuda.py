@@ -26,7 +26,7 @@ import numpy as np
 
 from components.engine_dir import EngineDir, EngineManifest
 from components.errors import BackendUnavailable, EngineError, ShapeOutOfProfile
-from components.runtime.engine import Engine, Picked
+from components.runtime.engine import Engine, Picked, advanced
 from components.runtime.logprobs import TokenLogprob, logprobs_of
 from components.runtime.sampling import Draws, Sampling
 from components.runtime.static_kv import LogitsStepGraphs, PrefillGraphs, SampledStepGraphs, left_padded_positions
@@ -189,6 +189,11 @@ class TorchCudaEngine(Engine):
             raise EngineError(f"a turn takes 1..{self.max_turn_steps} steps, not {steps}")
         ids, positions = next_ids.tolist(), state.lengths.tolist()
         asked = [d.sampling.logprobs for d in draws]
+        if any(d.sampling.grammar is not None for d in draws):
+            # A grammar's mask is the host's to fill, token by token: the batch takes one-step
+            # turns whose logits come to the host (what a constrained row costs the graphs).
+            logits, state = self.decode(state, next_ids)
+            return self.pick(logits, draws), state
         if all(d.sampling.greedy for d in draws) and all(n is None for n in asked):
             picked = Picked(self.runner.decode_rows(ids, positions, steps, min(room, self.runner.T - int(state.lengths.max())), self.max_turn_steps), {}, {})
             steps = picked.tokens.shape[1]
@@ -211,6 +216,7 @@ class TorchCudaEngine(Engine):
 
         from components.runtime.torch_sampling import sample_rows
 
+        logits, failed = self.constrained(logits, draws)
         if all(d.sampling.greedy for d in draws):
             tokens = logits.argmax(-1)  # no sort of the vocabulary for nothing
         else:
@@ -220,9 +226,9 @@ class TorchCudaEngine(Engine):
         logprobs = {
             row: logprobs_of(logits[row : row + 1], [int(tokens[row])], d.sampling.logprobs)
             for row, d in enumerate(draws)
-            if d.sampling.logprobs is not None
+            if d.sampling.logprobs is not None and row not in failed
         }
-        return Picked(tokens[:, None], logprobs, {})
+        return Picked(tokens[:, None], logprobs, failed | advanced(draws, tokens, failed))
 
     def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
         raise EngineError("torch-cuda engines keep their KV cache on the device: use prefill and decode (slots), score or generate")

@@ -1,0 +1,111 @@
+"""Constrained decoding: a row whose request carries a grammar (a JSON schema, a regex, a
+choice, a Lark grammar or a tool call's format, compiled to llguidance's form by the
+server) picks only tokens its grammar allows.
+
+llguidance (MIT; a backend of vLLM, SGLang and llama.cpp) builds its token trie from the
+engine's tokenizer.json and fills a bitmask per row without the GIL; the mask is applied to
+the logits before temperature, top-p and log probabilities, so a forbidden token is never
+drawn and never listed. Ids past the tokenizer's vocabulary (a padded embedding) have no
+bytes and stay forbidden.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from components.errors import KilnError
+
+# JSON as json.dumps writes it (", " and ": ", no other whitespace): a model cannot loop on
+# blank space until max_tokens, and the text is what a client's parser expects.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(KilnError):
+    """A grammar that llguidance refuses (its message names what), or one that has failed."""
+
+
+@functools.cache
+def grammar_tokenizer(tokenizer_json: Path, vocab_size: int, stop_ids: tuple[int, ...]):
+    """The engine's tokenizer as llguidance reads it, `vocab_size` wide (the logits' width)
+    with the engine's end-of-text ids; built once per engine directory and process."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=list(stop_ids))
+
+
+def json_schema_grammar(schema: dict | bool) -> str:
+    """llguidance's grammar for a JSON schema, laid out as `JSON_LAYOUT` whatever the schema's
+    own `x-guidance` says."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+
+
+def check_grammar(grammar: str, tokenizer) -> None:
+    """GrammarError with llguidance's own words where it will not compile `grammar` for
+    `tokenizer` (an unsupported schema feature, a bad regex, an unknown rule)."""
+    from llguidance import LLMatcher
+
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if failed:
+        raise GrammarError(messages[0].strip())
+
+
+class Constraint:
+    """One sequence's grammar as it advances token by token."""
+
+    def __init__(self, tokenizer, grammar: str) -> None:
+        from llguidance import LLMatcher
+
+        self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(self.matcher.get_error())
+
+    def advance(self, token: int) -> str | None:
+        """Take the picked token; the reason where the grammar cannot (it allowed it, so a bug)."""
+        if self.matcher.consume_token(token):
+            return None
+        return f"the grammar refused token {token}: {self.matcher.get_error()}"
+
+
+@dataclass
+class MaskClock:
+    """Time spent filling masks and the rows masked, since the owner last read them."""
+
+    seconds: float = 0.0
+    rows: int = 0
+
+    def read(self) -> tuple[float, int]:
+        seconds, rows, self.seconds, self.rows = self.seconds, self.rows, 0.0, 0
+        return seconds, rows
+
+
+def masked(logits: np.ndarray, constraints: list[Constraint | None], clock: MaskClock) -> tuple[np.ndarray, dict[int, str]]:
+    """`logits` (rows, vocab) with what each row's constraint forbids at -inf (rows without
+    one untouched); rows whose grammar allows nothing at all are named with the reason."""
+    import llguidance.numpy as llnp
+
+    started = time.perf_counter()
+    rows = [row for row, c in enumerate(constraints) if c is not None]
+    bitmask = llnp.allocate_token_bitmask(len(rows), logits.shape[-1])
+    _executor().unsafe_compute_mask_ptr([(constraints[row].matcher, i) for i, row in enumerate(rows)], bitmask.ctypes.data, bitmask.shape[1] * 4, len(rows))
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[-1]].astype(bool)
+    out = np.array(logits, np.float32, copy=True)
+    out[rows] = np.where(allowed, out[rows], -np.inf)
+    failed = {row: f"the grammar allows no token: {constraints[row].matcher.get_error() or 'it has ended'}" for i, row in enumerate(rows) if not allowed[i].any()}
+    clock.seconds += time.perf_counter() - started
+    clock.rows += len(rows)
+    return out, failed
+
+
+@functools.cache
+def _executor():
+    """One pool of llguidance's threads per process, filling a batch's masks in parallel."""
+    from llguidance import LLExecutor
+
+    return LLExecutor()
