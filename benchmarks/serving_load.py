@@ -9,7 +9,9 @@ clients run in this process and the server in its own, so they share no GIL; the
 the CPU, though, so the load generator is aiohttp (as in vLLM's serving benchmark), which
 needs less than half of httpx's CPU time per streamed request here. Prompts are
 random token ids of a fixed length and `ignore_eos` holds every answer to `new_tokens`,
-so both rows do the same work.
+so both rows do the same work. With `--constrained`, the batching server also answers the
+same clients asking for JSON of a schema (`CONSTRAINED_SCHEMA`): a grammar ends an answer
+where its JSON is complete, so that row is read per output token.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ from components.errors import KilnError, RegistryError
 from components.workspace import Workspace
 
 MODES = {"one-at-a-time": 1, "continuous-batching": None}  # row name → `kiln serve --max-batch`
+CONSTRAINED = "JSON schema"  # the row of `--constrained`: the batching server, clients asking for JSON
+# A list of records that can run to any length: most answers reach max_tokens under it too.
+CONSTRAINED_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["records"],
+    "properties": {"records": {"type": "array", "items": {
+        "type": "object", "additionalProperties": False, "required": ["id", "name", "score", "tags"],
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24}, "score": {"type": "number"},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
+    }}},
+}  # fmt: skip
 GENERATE = "engine generate"  # the row of the engine's own `generate`, in this process
 AS_SERVED = "as served"  # the row of a server given by its URL (`--openai-url`)
 
@@ -50,6 +62,7 @@ class ServingBenchSetup:
     new_tokens: int = 32
     seed: int = 0
     rounds: int = 1  # both modes once per round, interleaved; the rows are medians over rounds
+    constrained: bool = False  # also the batching server's row with CONSTRAINED_SCHEMA
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class ServingRow:
     requests: int
     failed: int
     rounds: int = 1  # the numbers are medians over this many rounds (requests and failed: sums)
+    tpot_p50_ms: float = float("nan")  # median of each request's time per output token after its first
 
 
 @dataclass(frozen=True)
@@ -88,9 +102,12 @@ def serving_rounds(engines: dict[str, Path], setup: ServingBenchSetup, params_fi
             on_row(row)
             for mode, max_batch in MODES.items():
                 with _Server(engine_dir, max_batch, params_file) as url:
-                    row = _measure(url, mode, label, vocab, setup)
-                rows.append(row)
-                on_row(row)
+                    measured = [_measure(url, mode, label, vocab, setup)]
+                    if setup.constrained and max_batch is None:
+                        measured.append(_measure(url, CONSTRAINED, label, vocab, setup, {"structured_outputs": {"json": CONSTRAINED_SCHEMA}}))
+                for row in measured:
+                    rows.append(row)
+                    on_row(row)
     return rows
 
 
@@ -145,7 +162,7 @@ def median_rows(rounds: list[ServingRow]) -> list[ServingRow]:
     rows = []
     for key in dict.fromkeys((row.engine, row.name) for row in rounds):
         mine = [row for row in rounds if (row.engine, row.name) == key]
-        median = {name: float(np.median([getattr(row, name) for row in mine])) for name in ("requests_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ttft_p50_ms")}
+        median = {name: float(np.median([getattr(row, name) for row in mine])) for name in ("requests_per_s", "tokens_per_s", "p50_ms", "p99_ms", "ttft_p50_ms", "tpot_p50_ms")}
         rows.append(ServingRow(name=key[1], engine=key[0], **median, requests=sum(r.requests for r in mine), failed=sum(r.failed for r in mine), rounds=len(mine)))
     return rows
 
@@ -219,10 +236,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSetup) -> ServingRow:
+def _measure(url: str, mode: str, label: str, vocab: int, setup: ServingBenchSetup, extra: dict | None = None) -> ServingRow:
+    """The row of `mode`; `extra`: more fields of each request (a constraint)."""
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     prompts = bench_prompts(vocab, setup)
-    samples, elapsed = asyncio.run(_drive(url, prompts, setup, lambda client, prompt: _one(client, model, prompt, setup)))
+    samples, elapsed = asyncio.run(_drive(url, prompts, setup, lambda client, prompt: _one(client, model, prompt, setup, extra or {})))
     return _row(samples, elapsed, mode, label)
 
 
@@ -237,6 +255,7 @@ def _row(samples: list[_Sample], elapsed: float, mode: str, label: str) -> Servi
         p50_ms=float(np.percentile(latencies, 50)), p99_ms=float(np.percentile(latencies, 99)),
         ttft_p50_ms=float(np.percentile([s.ttft * 1000 for s in ok], 50)),
         requests=len(ok), failed=len(samples) - len(ok),
+        tpot_p50_ms=float(np.percentile([(s.seconds - s.ttft) / (s.tokens - 1) * 1000 for s in ok], 50)) if all(s.tokens > 1 for s in ok) else float("nan"),
     )  # fmt: skip
 
 
@@ -261,9 +280,12 @@ async def _drive(url: str, prompts: list, setup: ServingBenchSetup, one) -> tupl
         return samples, time.perf_counter() - started
 
 
-async def _one(client: aiohttp.ClientSession, model: str, prompt: list[int], setup: ServingBenchSetup) -> _Sample:
+async def _one(client: aiohttp.ClientSession, model: str, prompt: list[int], setup: ServingBenchSetup, extra: dict | None = None) -> _Sample:
+    """One streamed request; it counts where it generated all its `new_tokens` (under a
+    constraint, which ends it where its grammar is complete: where it generated any)."""
     # stream_options: servers that send the usage in a chunk of its own (vLLM, llama-server) send it only when asked.
     body = {"model": model, "prompt": prompt, "max_tokens": setup.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body |= extra or {}
     started = time.perf_counter()
     first, tokens = None, 0
     try:
@@ -278,7 +300,7 @@ async def _one(client: aiohttp.ClientSession, model: str, prompt: list[int], set
             tokens = _completion_tokens(tail)
     except (aiohttp.ClientError, TimeoutError):
         return _Sample(time.perf_counter() - started, 0.0, 0, False)
-    return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, tokens, tokens == setup.new_tokens)
+    return _Sample(time.perf_counter() - started, (first or time.perf_counter()) - started, tokens, tokens == setup.new_tokens or (bool(extra) and tokens > 0))
 
 
 def triton_rounds(urls: list[str], tokenizer_dir: Path, vocab: int, setup: ServingBenchSetup, on_row=lambda row: None) -> list[ServingRow]:

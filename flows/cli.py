@@ -432,6 +432,7 @@ def bench_serving(
     openai_url: Annotated[list[str] | None, typer.Option(help="also drive the running OpenAI-compatible server at this URL (llama-server, vLLM, ...; repeatable)")] = None,
     vocab: Annotated[int | None, typer.Option(min=2, help="prompt token ids are drawn below this (default: the engine's vocabulary)")] = None,
     triton_url: Annotated[list[str] | None, typer.Option(help="also drive the model (kiln export triton's) of the running Triton server at this URL, through generate_stream")] = None,
+    constrained: Annotated[bool, typer.Option(help="also the batching server's clients asking for JSON of a schema (structured outputs): what a grammar costs")] = False,
 ) -> None:
     """The server under concurrent clients: continuous batching vs one request at a time,
     beside the engine's own generate; with --openai-url or --triton-url, other servers driven by the same clients."""
@@ -439,7 +440,7 @@ def bench_serving(
     _prepare_environment(root)
     from benchmarks import serving_load as bs
 
-    setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds)
+    setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds, constrained=constrained)
     done = lambda row: render.console.print(f"  {row.engine}: {row.name} done ({row.tokens_per_s:,.0f} tokens/s)")  # noqa: E731
     with _one_line_errors():
         engines = {} if openai_url and not (engine or gpt2_small) else _serving_bench_engines(root, params_file, engine or [], gpt2_small)

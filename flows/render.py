@@ -6,6 +6,7 @@ Values in, text out: nothing here computes or decides.
 from __future__ import annotations
 
 from rich.console import Console
+from rich import box
 from rich.table import Table
 
 from components.errors import KilnError
@@ -153,14 +154,17 @@ def serving_rows(rows, setup, every_round) -> None:
         rounds = f"medians of {setup.rounds} rounds (ratio by round: {_round_ratios(every_round, engine)}); " if setup.rounds > 1 else ""
         table = Table(
             title=f"kiln serve {engine}: {setup.clients} clients, {setup.prompt_tokens} + {setup.new_tokens} tokens, {setup.seconds:.0f} s per row",
-            caption=f"{rounds}{requests}; latencies of whole requests (engine generate: of its whole batch); TTFT: median time to first token",
+            caption=f"{rounds}{requests}; latencies of whole requests (engine generate: of its whole batch); TTFT: median time to first token; "
+            "TPOT: median time per output token after the first",
+            box=box.SIMPLE_HEAD, padding=0,  # no column rules, one space between: nine columns fit 80
         )
-        for column in ("mode", "req/s", "tok/s", "ratio", "of gen", "p50 ms", "p99 ms", "TTFT ms"):
+        for column in ("mode", "req/s", "tok/s", "ratio", "of gen", "p50 ms", "p99 ms", "TTFT ms", "TPOT ms"):
             table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
         for row in mine:
             table.add_row(
                 row.name, f"{row.requests_per_s:.1f}", f"{row.tokens_per_s:.0f}", _or_dash(row.tokens_per_s / baseline, "{:.2f}×"),
                 _or_dash(row.tokens_per_s / ceiling, "{:.0%}"), f"{row.p50_ms:.1f}", f"{row.p99_ms:.1f}", _or_dash(row.ttft_p50_ms, "{:.1f}"),
+                _or_dash(row.tpot_p50_ms, "{:.1f}"),
             )  # fmt: skip
         console.print(table)
 
