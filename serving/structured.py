@@ -74,7 +74,7 @@ class GrammarContext:
 
     def checked(self, kind: str, grammar: str, param: str, tools: ToolPlan | None = None) -> Constraint:
         try:
-            check_grammar(grammar, self.tokenizer)
+            check_grammar(grammar, self.tokenizer)  # the tokenizer too may be unreadable: a GrammarError
         except GrammarError as err:
             raise ConstraintError(f"{param}: {err}", param) from None
         return Constraint(kind, grammar, tools)

@@ -427,3 +427,17 @@ def test_metrics_count_constrained_requests_and_the_masks_time(served):
     metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("kiln_") and " " in line}
     assert metrics['kiln_constrained_requests_total{kind="json_schema"}'] >= 1
     assert metrics["kiln_grammar_masked_tokens_total"] > 0 and metrics["kiln_grammar_mask_seconds_total"] > 0
+
+
+def test_a_grammar_tokenizer_skips_end_ids_outside_the_vocabulary_and_names_an_unreadable_tokenizer(engines, tmp_path):
+    """A random bench model keeps GPT-2's end id (50256) beside a 300-token vocabulary:
+    its grammars still compile; a tokenizer llguidance cannot read is a GrammarError (a 400),
+    not a server error."""
+    from components.runtime.grammar import GrammarError, grammar_tokenizer
+
+    tokenizer = grammar_tokenizer(engines["qwen2"] / "tokenizer.json", 400, (50256,))
+    assert tokenizer.vocab_size == 400
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text('{"model": {"type": "Unigram", "vocab": []}}')
+    with pytest.raises(GrammarError, match="cannot be read for grammars"):
+        grammar_tokenizer(broken, 400, (0,))

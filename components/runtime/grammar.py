@@ -32,10 +32,16 @@ class GrammarError(KilnError):
 @functools.cache
 def grammar_tokenizer(tokenizer_json: Path, vocab_size: int, stop_ids: tuple[int, ...]):
     """The engine's tokenizer as llguidance reads it, `vocab_size` wide (the logits' width)
-    with the engine's end-of-text ids; built once per engine directory and process."""
+    with the engine's end-of-text ids (those inside the vocabulary; none: the tokenizer's
+    own); built once per engine directory and process. GrammarError where llguidance cannot
+    read it."""
     from llguidance import LLTokenizer
 
-    return LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=list(stop_ids))
+    eos = [token for token in stop_ids if token < vocab_size]
+    try:
+        return LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos or None)
+    except (ValueError, OSError) as err:
+        raise GrammarError(f"the engine's tokenizer ({tokenizer_json}) cannot be read for grammars: {err}") from None
 
 
 def json_schema_grammar(schema: dict | bool) -> str:
