@@ -76,7 +76,7 @@ class Constraint:
         """Take the picked token; the reason where the grammar cannot (it allowed it, so a bug)."""
         if self.matcher.consume_token(token):
             return None
-        return f"the grammar refused token {token}: {self.matcher.get_error()}"
+        return f"the grammar refused token {token}: {_first_line(self.matcher.get_error())}"
 
 
 @dataclass
@@ -98,15 +98,22 @@ def masked(logits: np.ndarray, constraints: list[Constraint | None], clock: Mask
 
     started = time.perf_counter()
     rows = [row for row, c in enumerate(constraints) if c is not None]
-    bitmask = llnp.allocate_token_bitmask(len(rows), logits.shape[-1])
+    # Zeros, not llguidance's all-allowed default: a row the executor leaves unwritten (its
+    # matcher has failed) then allows nothing and fails, rather than letting any token through.
+    bitmask = np.zeros(llnp.get_bitmask_shape(len(rows), logits.shape[-1]), np.int32)
     _executor().unsafe_compute_mask_ptr([(constraints[row].matcher, i) for i, row in enumerate(rows)], bitmask.ctypes.data, bitmask.shape[1] * 4, len(rows))
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[-1]].astype(bool)
     out = np.array(logits, np.float32, copy=True)
     out[rows] = np.where(allowed, out[rows], -np.inf)
-    failed = {row: f"the grammar allows no token: {constraints[row].matcher.get_error() or 'it has ended'}" for i, row in enumerate(rows) if not allowed[i].any()}
+    failed = {row: f"the grammar allows no token: {_first_line(constraints[row].matcher.get_error()) or 'it has ended'}" for i, row in enumerate(rows) if not allowed[i].any() or constraints[row].matcher.is_error()}
     clock.seconds += time.perf_counter() - started
     clock.rows += len(rows)
     return out, failed
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error's first line (the rest dumps its state and the whole grammar)."""
+    return error.strip().split("\n", 1)[0]
 
 
 @functools.cache
