@@ -102,7 +102,7 @@ def masked(logits: np.ndarray, constraints: list[Constraint | None], clock: Mask
     # matcher has failed) then allows nothing and fails, rather than letting any token through.
     bitmask = np.zeros(llnp.get_bitmask_shape(len(rows), logits.shape[-1]), np.int32)
     _executor().unsafe_compute_mask_ptr([(constraints[row].matcher, i) for i, row in enumerate(rows)], bitmask.ctypes.data, bitmask.shape[1] * 4, len(rows))
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[-1]].astype(bool)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[-1]].view(bool)
     out = np.array(logits, np.float32, copy=True)
     out[rows] = np.where(allowed, out[rows], -np.inf)
     failed = {row: f"the grammar allows no token: {_first_line(constraints[row].matcher.get_error()) or 'it has ended'}" for i, row in enumerate(rows) if not allowed[i].any() or constraints[row].matcher.is_error()}
