@@ -441,3 +441,35 @@ def test_a_grammar_tokenizer_skips_end_ids_outside_the_vocabulary_and_names_an_u
     broken.write_text('{"model": {"type": "Unigram", "vocab": []}}')
     with pytest.raises(GrammarError, match="cannot be read for grammars"):
         grammar_tokenizer(broken, 400, (0,))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "content", "calls"),
+    [
+        ("hermes", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>',
+         "Let me check.", [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
+        ("llama3_json", '{"name": "add", "parameters": {"a": 3, "b": 4}}; {"name": "add", "parameters": {"a": 5, "b": 6}}', "", [("add", '{"a": 3, "b": 4}'), ("add", '{"a": 5, "b": 6}')]),
+        ("mistral", 'Sure [TOOL_CALLS][{"name": "add", "arguments": {"a": 7, "b": 8}}, {"name": "add", "arguments": {"a": 9, "b": 0}}] done', "Sure done",
+         [("add", '{"a": 7, "b": 8}'), ("add", '{"a": 9, "b": 0}')]),
+        ("hermes", "No tool needed: <tool_cat> is not a call.", "No tool needed: <tool_cat> is not a call.", []),
+    ],
+    ids=["hermes-text-then-two-calls", "llama3-two-calls", "mistral-block-between-text", "hermes-a-near-miss-is-text"],
+)
+def test_the_call_reader_gives_the_same_calls_and_content_fed_whole_or_a_character_at_a_time(fmt, text, content, calls):
+    """What the server reads back out of a generated text, whatever pieces the stream brings
+    it in: the content outside the calls, each call's name and its arguments as written, the
+    streamed fragments joining into the whole."""
+    from serving.tools import FORMATS, CallDelta, ToolCallReader
+
+    whole = ToolCallReader(FORMATS[fmt], ("add", "get_weather"))
+    whole.feed(text, final=True)
+    streamed, fragments, said = ToolCallReader(FORMATS[fmt], ("add", "get_weather")), {}, ""
+    pieces = [item for end in range(1, len(text) + 1) for item in streamed.feed(text[:end])] + streamed.feed(text, final=True)
+    for item in pieces:
+        if isinstance(item, CallDelta):
+            fragments[item.index] = fragments.get(item.index, "") + item.arguments
+        else:
+            said += item
+    for reader in (whole, streamed):
+        assert reader.content == content and [(c.name, c.arguments) for c in reader.calls if c.complete] == calls
+    assert said == content and [fragments[i] for i in range(len(calls))] == [arguments for _, arguments in calls]
