@@ -17,6 +17,7 @@ the tests run it in theirs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,8 @@ from components.runtime.logprobs import TokenLogprob, logprobs_of
 from components.runtime.sampling import Draws, Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from serving.text import TextStream
+
+log = logging.getLogger("kiln.serving")
 
 # A row that finishes in a turn that also admits a waiting sequence leaves its cache as a
 # free slot the newcomer is written into in place (no copy of the whole batch's cache);
@@ -245,7 +248,10 @@ class Scheduler:
                 decoded = self._turn()
             except Exception as err:  # an engine failure ends the sequences it touched, not the server
                 self._fail_all(f"the engine failed: {type(err).__name__}: {err}")
-            self._observe(Turn(self._live, len(self._waiting), decoded, *self.engine.mask_clock.read()))
+            try:
+                self._observe(Turn(self._live, len(self._waiting), decoded, *self.engine.mask_clock.read()))
+            except Exception:  # a broken metrics hook must not stop the engine's thread (every client would hang)
+                log.exception("the scheduler's turn observer failed; serving goes on")
 
     def _turn(self) -> int:
         """The turn's decode steps for the running batch, then admissions; returns the rows decoded."""

@@ -26,7 +26,7 @@ from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
 from registry import tags
 from serving.series import DECODED_ROWS, GENERATED_TOKENS, PROMPT_TOKENS, QUEUE_DEPTH, RUNNING_BATCH
-from serving.scheduler import Delta, Failed, Finished, Scheduler, Sequence
+from serving.scheduler import Delta, Failed, Finished, Scheduler, Sequence, Turn
 
 ENGINE_DIR = "engine"  # beside model.py in the version's folder
 IDENTITY_FILE = "kiln_version.json"  # what the registry recorded for this version (written by the export)
@@ -114,9 +114,9 @@ class _KilnMetrics:
         self._running, self._waiting = family(*RUNNING_BATCH, gauge), family(*QUEUE_DEPTH, gauge)
         self._rows, self._generated, self._prompt = family(*DECODED_ROWS, counter), family(*GENERATED_TOKENS, counter), family(*PROMPT_TOKENS, counter)
 
-    def observe(self, running: int, waiting: int, decoded: int) -> None:
+    def observe(self, turn: Turn) -> None:
         """Each turn of the scheduler."""
-        self._safely(lambda: (self._running.set(running), self._waiting.set(waiting), decoded and self._rows.increment(decoded)))
+        self._safely(lambda: (self._running.set(turn.running), self._waiting.set(turn.waiting), turn.decoded and self._rows.increment(turn.decoded)))
 
     def finished(self, event: Finished) -> None:
         self._safely(lambda: (self._generated.increment(event.completion_tokens), self._prompt.increment(event.prompt_tokens)))

@@ -1413,3 +1413,22 @@ def test_the_server_says_what_the_running_batchs_kv_cache_can_take(engine_dir):
     assert engine_dir.manifest.kv_bytes_per_token == 512
     assert kv_memory_text(engine_dir.manifest, None) == "KV cache: 0.5 KiB a token a sequence; 16 sequences × 128 tokens take 1.0 MiB at most"
     assert kv_memory_text(engine_dir.manifest, 1).endswith("1 sequence × 128 tokens take 0.1 MiB at most")
+
+
+def test_a_failing_turn_observer_is_logged_and_the_scheduler_keeps_answering(own_engine, tokenizer, caplog):
+    """The turn's metrics hook (kiln serve's gauges, Triton's metrics) once took a signature
+    the scheduler no longer called it with: the engine's thread died and every client hung."""
+    import logging
+
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    def broken(turn) -> None:
+        raise TypeError("observe() takes 4 positional arguments but 2 were given")
+
+    done = threading.Event()
+    scheduler = Scheduler(own_engine, tokenizer, max_waiting=4, observe=broken)
+    with caplog.at_level(logging.ERROR, logger="kiln.serving"):
+        scheduler.submit([Sequence(tokenizer.encode("The list"), Sampling(max_new_tokens=3), lambda e: done.set() if isinstance(e, Finished) else None)])
+        assert done.wait(30)
+    assert scheduler.close(timeout=10)
+    assert "turn observer failed" in caplog.text
