@@ -19,6 +19,12 @@ TextList = Annotated[list[NonEmptyText], Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+class _Strict(BaseModel):
+    """A part of a request: unknown fields and wrong types are errors, never coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 Stops = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None
 
 
@@ -127,24 +133,18 @@ class CompletionRequest(_StructuredRequest):
         return list(self.prompt)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class FunctionCall(_Strict):
     name: str
     arguments: str
     """The arguments as JSON text, as the model wrote them."""
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -214,22 +214,16 @@ class FunctionDefinition(BaseModel):
         return parameters
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -243,21 +237,15 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextFormat(_Strict):
     type: Literal["text"]
 
 
-class JsonObjectFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class JsonObjectFormat(_Strict):
     type: Literal["json_object"]
 
 
-class JsonSchemaResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class JsonSchemaResponseFormat(_Strict):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
