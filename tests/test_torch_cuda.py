@@ -411,6 +411,24 @@ def test_device_sampling_draws_from_the_nucleus_at_the_temperature_and_greedy_ro
     assert picked[:2].tolist() == [1, 1]
 
 
+def test_device_sampling_never_draws_a_token_whose_logit_is_minus_infinity_over_a_large_vocabulary():
+    """A uniform of 24 bits rounded to 1.0 for one state in 2**24: its Gumbel noise was +inf,
+    so that token won whatever its logit, and beside a grammar's -inf the sum was NaN, which
+    argmax took (an H100 drew token 120728 of a 300-token tokenizer under a JSON schema)."""
+    from components.runtime.torch_sampling import sample_rows, uniform_of
+
+    extremes = uniform_of(torch.tensor([0, 0x1FF, 0xFFFFFE00, 0xFFFFFFFF]))
+    assert (extremes > 0).all() and (extremes < 1).all()
+    rng, vocab = np.random.default_rng(0), 151_936
+    for draw in range(40):
+        logits = np.full((2, vocab), -np.inf, np.float32)
+        for row in range(2):
+            logits[row, rng.choice(300, size=11, replace=False)] = rng.normal(size=11) * 3
+        keys = torch.tensor([3 * 1_000_003, 3 * 1_000_003 + 1])
+        picked = sample_rows(torch.from_numpy(logits), torch.ones(2), torch.ones(2), keys, torch.full((2,), draw)).numpy()
+        assert np.isfinite(logits[[0, 1], picked]).all(), (draw, picked)
+
+
 def test_a_rows_draw_is_its_streams_whatever_its_batch_and_survives_last_bit_differences_in_its_logits():
     """Draw n of a row depends on its key and n alone (not on the rows beside it), and the
     Gumbel-max draw keeps its token when another batch width's kernels change the logits

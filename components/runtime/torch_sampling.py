@@ -36,8 +36,16 @@ def gumbel_noise(keys: Tensor, counters: Tensor, vocab: int) -> Tensor:
     hashed from its stream state and the token id."""
     tokens = torch.arange(vocab, dtype=torch.long, device=keys.device)
     bits = _mix32(_stream(keys, counters).unsqueeze(1) ^ (tokens * 0x27D4EB2F & _MASK32))  # < 2**31: Triton indexes in int32
-    u = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform_of(bits)))
+
+
+def uniform_of(bits: Tensor) -> Tensor:
+    """32 random bits → a float32 in (0, 1), never 0 or 1: the top 23 bits and a half, each
+    exactly representable. With 24 bits the largest, (2**24 - 1 + 0.5) / 2**24, rounded to
+    1.0, its noise to +inf: that token won whatever its logit (one draw in 2**24 per token,
+    about one step in a hundred over a 152k vocabulary), and beside a grammar's -inf it made
+    NaN, which argmax took: a forbidden token."""
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, top_p: Tensor, keys: Tensor, counters: Tensor) -> Tensor:
