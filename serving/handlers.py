@@ -401,7 +401,7 @@ async def stream_chat(served: ServedEngine, job: Submitted, request: ChatComplet
         choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish_reason}
         return f"data: {json.dumps(head | {'choices': [choice]} | with_usage, ensure_ascii=False)}\n\n"
 
-    def delta(index: int, event: Delta) -> str:
+    def content_delta(index: int, event: Delta) -> str:
         if not request.logprobs:
             return chunk(index, {"content": event.text})
         seq, start = job.sequences[index], sent[index]
@@ -416,7 +416,7 @@ async def stream_chat(served: ServedEngine, job: Submitted, request: ChatComplet
     if plan is not None:
         delta, last = _tool_deltas(served, job, request, plan, chunk)
     else:
-        last = lambda index, event, usage: chunk(index, {}, event.reason)  # noqa: E731
+        delta, last = content_delta, lambda index, event, usage: chunk(index, {}, event.reason)
     ready = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(job.sequences))]
     async for piece in _stream_events(job, ready, delta, last, usage_chunk):
         yield piece

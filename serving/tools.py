@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
