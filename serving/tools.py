@@ -3,7 +3,7 @@ parser that reads them back out of the generated text (streamed or whole).
 
 A format is where a call begins and ends in the text and how several are joined: Qwen2 and
 Hermes write `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>` per call, Llama 3
-`{"name": …, "parameters": …}` joined by `; `, Mistral `[TOOL_CALLS][{…}, {…}]`. The
+`{"name": …, "parameters": …}` joined by `; `, Mistral `[TOOL_CALLS] [{…}, {…}]`. The
 grammar writes the name and the layout itself, so the model chooses only which tool and its
 arguments (llguidance's `%json` for the tool's schema); under `auto` the text is free until
 the model writes the format's trigger (a lazy lexeme, as llguidance's structural tags do).
@@ -41,7 +41,7 @@ class ToolFormat:
 FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("hermes", "<tool_call>", "", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n", ""),
     "llama3_json": ToolFormat("llama3_json", '{"name": "', "", '{"name": "', '", "parameters": ', "}", "; ", ""),
-    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS][", '{"name": "', '", "arguments": ', "}", ", ", "]"),
+    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "[TOOL_CALLS] [", '{"name": "', '", "arguments": ', "}", ", ", "]"),
 }
 
 

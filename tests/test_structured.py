@@ -1,6 +1,7 @@
 """Structured outputs and tool calls against `kiln serve` on a socket, through the `openai`
-SDK, on tiny random-weight Qwen2 and Llama engines whose chat templates teach tool calls
-(Qwen2.5's Hermes `<tool_call>` and Llama 3's JSON). Random weights write garbage unless
+SDK, on tiny random-weight Qwen2, Llama and Mistral engines whose chat templates teach tool
+calls (Qwen2.5's Hermes `<tool_call>`, Llama 3's JSON, Mistral's `[TOOL_CALLS]` control
+token). Random weights write garbage unless
 constrained, so an answer that parses and validates proves the constraint."""
 
 from __future__ import annotations
@@ -100,6 +101,27 @@ LLAMA_TEMPLATE = """{{- bos_token }}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
 """
 
+# Mistral-7B-Instruct-v0.3's tool prompt, shortened: the tools before the last user turn,
+# calls after the [TOOL_CALLS] control token, results in [TOOL_RESULTS].
+MISTRAL_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- if tools and loop.last %}{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+        {{- '[INST] ' + message.content + '[/INST]' }}
+    {%- elif message.role == 'assistant' and message.tool_calls %}
+        {{- '[TOOL_CALLS] [' }}
+        {%- for tool_call in message.tool_calls %}
+            {{- {"name": tool_call.function.name, "arguments": tool_call.function.arguments} | tojson }}{%- if not loop.last %}{{- ', ' }}{%- endif %}
+        {%- endfor %}
+        {{- ']' + eos_token }}
+    {%- elif message.role == 'assistant' %}
+        {{- ' ' + message.content + eos_token }}
+    {%- elif message.role == 'tool' %}
+        {{- '[TOOL_RESULTS] ' + ({"content": message.content} | tojson) + '[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}
+"""
+
 TEXTS = [
     "The weather in Paris is sunny with a temperature of 21 degrees. " * 4,
     '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}} ' * 4,
@@ -154,6 +176,13 @@ def llama_tokenizer():
     return tokenizer
 
 
+def mistral_tokenizer():
+    tokenizer = sentencepiece_style_tokenizer(TEXTS, vocab_size=420)
+    controls = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+    tokenizer.add_special_tokens({"additional_special_tokens": controls})  # control tokens in Mistral's v3 vocabulary
+    return tokenizer
+
+
 def tool_engine(root: Path, family: str, tokenizer, template: str) -> Path:
     """A tiny random model of `family` with `template`, through export and an fp32 ONNX
     Runtime engine whose profile holds a prompt with tool definitions."""
@@ -175,10 +204,14 @@ def tool_engine(root: Path, family: str, tokenizer, template: str) -> Path:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("structured")
-    return {"qwen2": tool_engine(root, "qwen2", qwen_tokenizer(), QWEN_TEMPLATE), "llama": tool_engine(root, "llama", llama_tokenizer(), LLAMA_TEMPLATE)}
+    return {
+        "qwen2": tool_engine(root, "qwen2", qwen_tokenizer(), QWEN_TEMPLATE),
+        "llama": tool_engine(root, "llama", llama_tokenizer(), LLAMA_TEMPLATE),
+        "mistral": tool_engine(root, "mistral", mistral_tokenizer(), MISTRAL_TEMPLATE),
+    }
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "mistral"])
 def served(request, engines):
     from openai import OpenAI
 
@@ -449,7 +482,7 @@ def test_a_grammar_tokenizer_skips_end_ids_outside_the_vocabulary_and_names_an_u
         ("hermes", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>',
          "Let me check.", [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
         ("llama3_json", '{"name": "add", "parameters": {"a": 3, "b": 4}}; {"name": "add", "parameters": {"a": 5, "b": 6}}', "", [("add", '{"a": 3, "b": 4}'), ("add", '{"a": 5, "b": 6}')]),
-        ("mistral", 'Sure [TOOL_CALLS][{"name": "add", "arguments": {"a": 7, "b": 8}}, {"name": "add", "arguments": {"a": 9, "b": 0}}] done', "Sure done",
+        ("mistral", 'Sure [TOOL_CALLS] [{"name": "add", "arguments": {"a": 7, "b": 8}}, {"name": "add", "arguments": {"a": 9, "b": 0}}] done', "Sure done",
          [("add", '{"a": 7, "b": 8}'), ("add", '{"a": 9, "b": 0}')]),
         ("hermes", "No tool needed: <tool_cat> is not a call.", "No tool needed: <tool_cat> is not a call.", []),
     ],
