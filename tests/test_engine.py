@@ -275,3 +275,33 @@ def test_a_closed_engine_releases_its_session(engine_dir):
     with load_engine(engine_dir.path) as engine:
         assert engine.generate([[1, 2]], Sampling(max_new_tokens=2, stop_at_eos=False))
     assert engine.session is None
+
+
+@pytest.fixture(scope="module")
+def gqa_engine(tmp_path_factory):
+    """A tiny Llama's engine, whose attention is ONNX Runtime's GroupQueryAttention."""
+    from components.runtime import load_engine
+
+    from .test_structured import LLAMA_TEMPLATE, llama_tokenizer, tool_engine
+
+    with load_engine(tool_engine(tmp_path_factory.mktemp("gqa"), "llama", llama_tokenizer(), LLAMA_TEMPLATE)) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("cached", [1, 16, 39])
+def test_a_prefill_continued_after_a_cached_prefix_gives_the_whole_prefills_logits_and_cache(engine, gqa_engine, which, cached):
+    """What a prefix cache hit prefills: the prompt's uncached suffix after the cache of its
+    prefix, at the positions after it, equals prefilling the whole prompt (the next token's
+    logits, and every layer's keys and values), on plain attention and on GroupQueryAttention."""
+    subject = engine if which == "gpt2" else gqa_engine
+    prompt = np.random.default_rng(cached).integers(3, subject.manifest.vocab_size - 8, size=40).tolist()
+    whole, whole_state = subject.prefill(np.array([prompt]), np.ones((1, 40), np.int64))
+    _, prefix = subject.prefill(np.array([prompt[:cached]]), np.ones((1, cached), np.int64))
+    continued, state = subject.extend(prefix, prompt[cached:])
+    np.testing.assert_allclose(continued[:, -1], whole[:, -1], atol=1e-5, rtol=0)
+    assert state.past_length == 40 and state.last_position.tolist() == [[39]]
+    for ours, theirs in zip(state.cache, whole_state.cache, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    with pytest.raises(ShapeOutOfProfile, match="one row"):
+        subject.extend(prefix.joined(prefix), prompt[cached:])

@@ -155,6 +155,24 @@ class Engine(ABC):
             logits = logits[:, -1:]
         return logits, DecodeState(cache, attention_mask, positions[:, -1:])
 
+    def extend(self, state: DecodeState, new_ids: list[int]) -> tuple[np.ndarray, DecodeState]:
+        """One sequence's prefill continued after a cache it already has (the prefix of a
+        prompt computed before): `new_ids` at the positions after `state`'s, attending to its
+        cache; the last position's logits (1, 1, vocab) and the grown state. One row only:
+        ONNX Runtime's GroupQueryAttention takes several new tokens after a past at batch 1
+        alone. What a prefix cache prefills a hit's uncached suffix with."""
+        if state.attention_mask.shape[0] != 1 or not new_ids:
+            raise ShapeOutOfProfile(f"extend takes one row and at least one new token, not {state.attention_mask.shape[0]} rows and {len(new_ids)} tokens")
+        self._check_context((1, len(new_ids)))
+        self._check_total(state.past_length + len(new_ids))
+        ids = np.asarray([new_ids], np.int64)
+        mask = np.concatenate([state.attention_mask, np.ones_like(ids)], axis=1)
+        positions = state.last_position + 1 + np.arange(len(new_ids), dtype=np.int64)[None]
+        logits, cache = self.forward(ids, mask, positions, state.cache, np.array([len(new_ids) - 1], np.int64))
+        if logits.shape[1] > 1:  # a graph that computes every position
+            logits = logits[:, -1:]
+        return logits, DecodeState(cache, mask, positions[:, -1:])
+
     def score(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Every position's logits (batch, sequence, vocab) of left-padded rows: what the
         quality gates compare with the PyTorch model."""
