@@ -72,7 +72,7 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
         poll_interval_s=config.poll_interval_s if engine is None else 0, max_tokens=config.max_tokens, max_body_bytes=config.max_body_bytes,
         api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
         webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
-        runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting),
+        runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting, prefix_cache_bytes=config.prefix_cache_mib << 20),
         max_n=config.max_n, chat_template=_chat_template(root, config.chat_template), tool_format=config.tool_format,
     )  # fmt: skip
     host = host or config.host

@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 from components.errors import VersionRefused
 from serving.engine_client import EngineLost
 from serving.loader import PulledVersion
+from serving.prefix_cache import PrefixCache
 from serving.scheduler import Delta, Event, Failed, Finished, Limits, QueueFull, Scheduler, SchedulerClosed, Sequence, Turn, ignore_turn
 
 log = logging.getLogger("kiln.serving")
@@ -59,6 +60,7 @@ class RuntimeOptions:
     threads: int | None = None
     max_batch: int | None = None
     max_waiting: int = 64
+    prefix_cache_bytes: int = 0  # the prefix cache's budget (serving.prefix_cache_mib); 0: none
 
 
 class EngineProcess:
@@ -207,8 +209,8 @@ class EngineProcess:
         if kind == DELTA:
             seq.emit(Delta(rest[0], len(seq.generated)))
         else:
-            reason, seq.text = rest
-            seq.emit(Finished(reason, len(seq.prompt), len(seq.generated)))
+            reason, seq.text, seq.cached_tokens = rest
+            seq.emit(Finished(reason, len(seq.prompt), len(seq.generated), seq.cached_tokens))
 
     def _closed_error(self) -> SchedulerClosed:
         if self._process.is_alive():
@@ -238,7 +240,8 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
         events.send(("refused", str(err) if isinstance(err, VersionRefused) else f"{pulled.label} is refused: {type(err).__name__}: {err}"))
         return
     outbox = _Outbox(events)
-    scheduler = Scheduler(engine, EngineTokenizer(pulled.engine_dir.path), max_waiting, options.max_batch, observe=outbox.flush)
+    cache = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
+    scheduler = Scheduler(engine, EngineTokenizer(pulled.engine_dir.path), max_waiting, options.max_batch, observe=outbox.flush, prefix_cache=cache)
     held: dict[int, Sequence] = {}
     events.send(("ready",))
     while True:
@@ -285,7 +288,7 @@ def _child_sequence(spec: tuple, outbox: _Outbox, held: dict[int, Sequence]) -> 
             outbox.add((DELTA, *progress, event.text))
         else:
             held.pop(sid, None)
-            outbox.add((FINISHED, *progress, event.reason, seq.text))
+            outbox.add((FINISHED, *progress, event.reason, seq.text, event.cached_tokens))
 
     seq = Sequence(prompt, sampling, emit, stops=stops, stream=stream)
     held[sid] = seq

@@ -39,6 +39,7 @@ from serving.schemas import (
     FunctionCall,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ToolCall,
     Usage,
 )
@@ -410,7 +411,7 @@ async def stream_chat(served: ServedEngine, job: Submitted, request: ChatComplet
         return chunk(index, {"content": event.text}, logprobs=[entry.model_dump() for entry in entries])
 
     def usage_chunk(usage: Usage) -> str:
-        return f"data: {json.dumps(head | {'choices': [], 'usage': usage.model_dump()}, ensure_ascii=False)}\n\n" if request.include_usage else ""
+        return f"data: {json.dumps(head | {'choices': [], 'usage': usage.model_dump(exclude_none=True)}, ensure_ascii=False)}\n\n" if request.include_usage else ""
 
     plan = job.constraint.tools if job.constraint else None
     if plan is not None:
@@ -506,7 +507,7 @@ class _ChunkWriter:
 
     def last(self, index: int, reason: str, usage: Usage | None) -> str:
         choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
-        body = self._head | {"choices": [choice]} | ({"usage": usage.model_dump()} if usage else {})
+        body = self._head | {"choices": [choice]} | ({"usage": usage.model_dump(exclude_none=True)} if usage else {})
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
@@ -514,7 +515,9 @@ def usage_of(finished) -> Usage:
     finished = list(finished)
     prompt = sum(f.prompt_tokens for f in finished)
     completion = sum(f.completion_tokens for f in finished)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(f.cached_tokens for f in finished)
+    details = PromptTokensDetails(cached_tokens=cached) if cached else None
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion, prompt_tokens_details=details)
 
 
 def observe(job: Submitted, metrics: ServerMetrics, outcome: str) -> None:

@@ -32,6 +32,7 @@ from components.runtime.engine import DecodeState, Engine, Picked, left_pad
 from components.runtime.logprobs import TokenLogprob, logprobs_of
 from components.runtime.sampling import Draws, Sampling
 from components.runtime.tokenizer import EngineTokenizer
+from serving.prefix_cache import Hit, PrefixCache
 from serving.text import TextStream
 
 log = logging.getLogger("kiln.serving")
@@ -75,6 +76,7 @@ class Finished:
     reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, reused from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class Sequence:
     stops: tuple[str, ...] = ()  # OpenAI's `stop`: the text ends just before the first one
     stream: bool = True  # False: no Delta events, the text is read from `text` once Finished
     generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose cache a prefix cache gave (not prefilled)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the first token's is None (nothing before it)
     text: str = ""  # the completion's whole text, set when it has finished
@@ -178,8 +181,10 @@ class Scheduler:
         max_waiting: int,
         max_batch: int | None = None,
         observe: Callable[[Turn], None] = ignore_turn,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.engine = engine
+        self.prefix_cache = prefix_cache if engine.continues_prefills else None
         self.limits = Limits.of(engine.manifest, max_batch)
         self.max_batch = self.limits.max_batch
         self.max_waiting = max_waiting
@@ -312,6 +317,33 @@ class Scheduler:
             return taken
 
     def _prefill(self, admitted: list[_Held]) -> None:
+        """The admitted prompts' first tokens: those whose beginning the prefix cache holds
+        prefill only the rest, each on its own; the others together."""
+        hits = {}
+        if self.prefix_cache is not None:
+            for r in admitted:
+                if r.seq.sampling.prompt_logprobs is None and (hit := self.prefix_cache.lookup(r.seq.prompt)) is not None:
+                    hits[r] = hit
+        whole = [r for r in admitted if r not in hits]
+        if whole:
+            self._prefill_whole(whole)
+        for r, hit in hits.items():
+            self._prefill_after(r, hit)
+
+    def _prefill_after(self, r: _Held, hit: Hit) -> None:
+        state = DecodeState(hit.cache, np.ones((1, hit.tokens), np.int64), np.array([[hit.tokens - 1]], np.int64))
+        try:
+            logits, state = self.engine.extend(state, r.seq.prompt[hit.tokens :])
+        except Exception as err:
+            r.seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
+            return
+        r.seq.cached_tokens = hit.tokens
+        self.prefix_cache.store(r.seq.prompt, state.cache)
+        rows = self._place([r], state)
+        self._live += 1
+        self._advance(self.engine.pick(logits[:, -1], [r.draws]), rows)
+
+    def _prefill_whole(self, admitted: list[_Held]) -> None:
         ids, mask = left_pad([r.seq.prompt for r in admitted], self.engine.manifest.eos_token_id)
         scored = [r for r in admitted if r.seq.sampling.prompt_logprobs is not None]
         try:
@@ -323,6 +355,8 @@ class Scheduler:
         for index, r in enumerate(admitted):
             if r.seq.sampling.prompt_logprobs is not None:
                 r.seq.prompt_logprobs = _prompt_logprobs(logits[index], r.seq.prompt, r.seq.sampling.prompt_logprobs)
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(r.seq.prompt, [part[index : index + 1] for part in state.cache])
         rows = self._place(admitted, state)
         self._live += len(admitted)
         self._advance(self.engine.pick(logits[:, -1], [r.draws for r in admitted]), rows)
@@ -376,7 +410,7 @@ class Scheduler:
                 r.seq.emit(Delta("".join(text), len(r.seq.generated)))
             if reason:
                 r.seq.text = r.text.text
-                r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated)))
+                r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated), r.seq.cached_tokens))
         self._release(done)
 
     def _accept(self, r: _Held, token: int, logprob: TokenLogprob | None, now: float, text: list[str]) -> str | None:

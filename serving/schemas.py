@@ -300,10 +300,16 @@ class ChatCompletionRequest(_StructuredRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens whose KV cache was reused (serving.prefix_cache_mib), not computed."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with a prefix cache, as OpenAI reports it
 
 
 class CompletionLogprobs(BaseModel):

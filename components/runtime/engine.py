@@ -103,6 +103,8 @@ class Engine(ABC):
 
     # Decode steps one `decode_turn` may take (the scheduler chooses how many; see there).
     max_turn_steps = 16
+    # The cache is host arrays a prefill can continue (`extend`): a prefix cache can serve it.
+    continues_prefills = True
 
     @property
     def turn_queued(self) -> bool:

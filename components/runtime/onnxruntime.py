@@ -53,8 +53,9 @@ class OrtEngine(Engine):
         feeds |= self._logits_positions_feed(input_ids, logits_positions)
         # A prefill (no past) runs unbound: its cache is copied into a running batch's
         # buffers (DecodeState.put) or into its own at its first decode step, and the
-        # running batch keeps its binding.
-        if self.manifest.kv_in_place and cache[0].shape[2]:
+        # running batch keeps its binding. So does a prefill after a cached prefix
+        # (several new tokens: `extend`); only decode steps are bound.
+        if self.manifest.kv_in_place and cache[0].shape[2] and input_ids.shape[1] == 1:
             return self._forward_in_place(feeds, cache, input_ids.shape[1])
         feeds |= dict(zip(self.manifest.past_names, cache))
         logits, *present = self.session.run(None, feeds)

@@ -69,6 +69,8 @@ class TrtEngine(Engine):
     given once the step has run (a decode state is used once, as `Engine.generate` does).
     """
 
+    continues_prefills = False  # not shown to take several new tokens after a past
+
     CONTEXT, GENERATION = 0, 1
 
     def __init__(self, engine_dir: EngineDir) -> None:

@@ -60,6 +60,8 @@ def _release(version: str) -> tuple[str, ...]:
 class TorchCudaEngine(Engine):
     """Greedy generation and scoring through the exported program and its runner."""
 
+    continues_prefills = False  # its cache lives in the device's slots, not in host arrays
+
     def __init__(self, engine_dir: EngineDir, compile_cache: Path | None = None) -> None:
         super().__init__(engine_dir)
         self.device = device_for(self.manifest)
