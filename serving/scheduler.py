@@ -411,7 +411,19 @@ class Scheduler:
             if reason:
                 r.seq.text = r.text.text
                 r.seq.emit(Finished(reason, len(r.seq.prompt), len(r.seq.generated), r.seq.cached_tokens))
+                self._keep_turn(row, r)
         self._release(done)
+
+    def _keep_turn(self, row: int, r: _Held) -> None:
+        """A finished sequence's prompt and reply into the prefix cache: a conversation's next
+        turn begins with them. Its last token was never fed, so its cache is not written."""
+        if self.prefix_cache is None or not isinstance(self._state, DecodeState):
+            return
+        tokens = r.seq.prompt + r.seq.generated[:-1]
+        held = int(self._state.attention_mask[row].sum())  # the row's positions: padding, then these
+        start = self._state.past_length - held
+        if held >= len(tokens):  # a multi-step turn may have fed tokens past its end: those stay out
+            self.prefix_cache.store(tokens, [part[row : row + 1, :, start : start + len(tokens)] for part in self._state.cache])
 
     def _accept(self, r: _Held, token: int, logprob: TokenLogprob | None, now: float, text: list[str]) -> str | None:
         """Add a token to the sequence, its text to `text`; the finish reason if it ends

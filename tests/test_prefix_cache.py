@@ -58,8 +58,9 @@ def test_the_least_recently_used_prompts_leave_when_the_budget_is_spent():
 
 def test_a_conversations_next_turn_prefills_only_what_is_new_and_answers_as_without_the_cache(engine_dir):
     """The scheduler on the ONNX Runtime engine: the second request begins with the first's
-    prompt, so its first whole blocks come from the cache; greedy and seeded answers and their
-    log probabilities are those of the engine without a cache."""
+    prompt, so its first whole blocks come from the cache, and the last begins with the
+    second's prompt and reply, which its finished turn left there; greedy and seeded answers
+    and their log probabilities are those of the engine without a cache."""
     from components.runtime import load_engine
     from components.runtime.tokenizer import EngineTokenizer
     from serving.scheduler import Finished, Scheduler, Sequence
@@ -74,7 +75,10 @@ def test_a_conversations_next_turn_prefills_only_what_is_new_and_answers_as_with
         with load_engine(engine_dir.path) as own:
             scheduler = Scheduler(own, tokenizer, max_waiting=4, prefix_cache=prefix_cache)
             asked = []
-            for prompt, sampling in ((first, Sampling(max_new_tokens=8, logprobs=2)), (second, Sampling(max_new_tokens=8, logprobs=2)), (second, Sampling(max_new_tokens=8, temperature=0.9, seed=5))):
+            turns = [(first, Sampling(max_new_tokens=8, logprobs=2)), (second, Sampling(max_new_tokens=16, logprobs=2, stop_at_eos=False)), (second, Sampling(max_new_tokens=8, temperature=0.9, seed=5))]
+            for prompt, sampling in turns + [(None, Sampling(max_new_tokens=8))]:
+                # the last turn: the second one's prompt and reply, then a new question
+                prompt = prompt or second + asked[1].generated + tokenizer.encode(" And a set?")
                 asked.append(Sequence(prompt, sampling, lambda e: done.release() if isinstance(e, Finished) else None))
                 scheduler.submit([asked[-1]])
                 assert done.acquire(timeout=60)
@@ -82,8 +86,10 @@ def test_a_conversations_next_turn_prefills_only_what_is_new_and_answers_as_with
         return asked
 
     cached, plain = answers(cache), answers(None)
-    assert [s.cached_tokens for s in cached] == [0, len(first) // 16 * 16, (len(second) - 1) // 16 * 16]
-    assert [s.cached_tokens for s in plain] == [0, 0, 0]
+    replied = len(second) + len(cached[1].generated) - 1  # the reply's last token was never fed
+    assert [s.cached_tokens for s in cached] == [0, len(first) // 16 * 16, (len(second) - 1) // 16 * 16, replied // 16 * 16]
+    assert replied // 16 * 16 > len(second) // 16 * 16  # the reply's own blocks, not only the prompt's
+    assert [s.cached_tokens for s in plain] == [0, 0, 0, 0]
     for ours, theirs in zip(cached, plain, strict=True):
         assert ours.generated == theirs.generated
         np.testing.assert_allclose([lp.logprob for lp in ours.logprobs], [lp.logprob for lp in theirs.logprobs], atol=1e-4)
