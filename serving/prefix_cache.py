@@ -39,6 +39,7 @@ class PrefixCache:
         self.bytes = 0
         self.stats = PrefixStats()
         self._entries: OrderedDict[tuple[int, ...], list[np.ndarray]] = OrderedDict()
+        self._ids: dict[tuple[int, ...], np.ndarray] = {}  # each key's tokens as an array, made once: lookups compare them on the engine's thread
 
     def lookup(self, prompt: list[int]) -> Hit | None:
         """The longest cached beginning of `prompt` in whole blocks, leaving at least one of
@@ -51,7 +52,7 @@ class PrefixCache:
             length = min(len(key), limit)
             if length <= best:
                 continue
-            same = np.asarray(key[:length]) == wanted[:length]
+            same = self._ids[key][:length] == wanted[:length]
             common = (length if same.all() else int(np.argmin(same))) // self.block * self.block
             if common > best:
                 best, found = common, key
@@ -78,8 +79,10 @@ class PrefixCache:
         if size > self.max_bytes:
             return
         self._entries[key] = parts
+        self._ids[key] = np.asarray(key)
         self.bytes += size
         while self.bytes > self.max_bytes:
-            _, dropped = self._entries.popitem(last=False)
+            gone, dropped = self._entries.popitem(last=False)
+            del self._ids[gone]
             self.bytes -= sum(part.nbytes for part in dropped)
             self.stats.evictions += 1
