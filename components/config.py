@@ -686,8 +686,8 @@ class ServingParams(_Section):
     """Most choices per prompt (OpenAI's `n`)."""
     chat_template: str | None = None
     """A jinja chat template for versions whose model has none; null: chat completions answer those with 400."""
-    prefix_cache_mib: int = Field(0, ge=0)
-    """Memory the engine process may keep prompts' KV caches in, so that a prompt beginning with one seen before prefills only the rest (ONNX Runtime engines); 0: no prefix cache."""
+    prefix_cache_mib: int = Field(1024, ge=0)
+    """Memory the engine process may keep prompts' KV caches in, so that a prompt beginning with one seen before (a conversation's next turn, a shared system prompt) prefills only the rest (ONNX Runtime: host memory; torch-cuda: the device's, at most half what is free); 0: no prefix cache."""
     tool_format: Literal["hermes", "llama3_json", "mistral"] | None = None
     """The tool-call format of a chat template that writes none kiln recognises (Hermes `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`); null: tools on such a version are a 400."""
 

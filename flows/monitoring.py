@@ -160,6 +160,12 @@ def _rows() -> list[tuple[str, list]]:
             _timeseries("Mean rows a decode turn served", "short", [
                 (f"sum(rate(kiln_decoded_rows_total{{{JOB}}}[{rate}])) / sum(rate(kiln_decode_steps_total{{{JOB}}}[{rate}]))", "rows / turn"),
             ]),
+            _timeseries("Prefix cache hit rate", "percentunit", [
+                (f"sum(rate(kiln_prefix_cache_cached_tokens_total{{{JOB}}}[{rate}])) / sum(rate(kiln_prefix_cache_queried_tokens_total{{{JOB}}}[{rate}]))", "prompt tokens"),
+                (f"sum(rate(kiln_prefix_cache_hits_total{{{JOB}}}[{rate}])) / sum(rate(kiln_prefix_cache_queries_total{{{JOB}}}[{rate}]))", "prompts"),
+            ]),
+            _timeseries("Prefix cache memory", "bytes", [(f"sum by (instance) (kiln_prefix_cache_bytes{{{JOB}}})", "{{instance}}")]),
+            _timeseries("Prefix cache evictions / s", "short", [(f"sum(rate(kiln_prefix_cache_evictions_total{{{JOB}}}[{rate}]))", "blocks / s")]),
         ]),
         ("Engine", [
             _served_engine(),

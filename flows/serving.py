@@ -55,7 +55,9 @@ def _private_file(path: Path, content: str) -> str:
     return content
 
 
-def serve_alias(root: Path, params: Params, alias: str | None, host: str | None, port: int | None, engine: Path | None = None, max_batch: int | None = None) -> None:
+def serve_alias(
+    root: Path, params: Params, alias: str | None, host: str | None, port: int | None, engine: Path | None = None, max_batch: int | None = None, prefix_cache_mib: int | None = None
+) -> None:
     """Serve the alias (default serving.alias), or with `engine` that local directory."""
     from serving.app import ServerSettings, serve
     from serving.engine_process import RuntimeOptions
@@ -72,7 +74,7 @@ def serve_alias(root: Path, params: Params, alias: str | None, host: str | None,
         poll_interval_s=config.poll_interval_s if engine is None else 0, max_tokens=config.max_tokens, max_body_bytes=config.max_body_bytes,
         api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
         webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
-        runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting, prefix_cache_bytes=config.prefix_cache_mib << 20),
+        runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting, prefix_cache_bytes=(config.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib) << 20),
         max_n=config.max_n, chat_template=_chat_template(root, config.chat_template), tool_format=config.tool_format,
     )  # fmt: skip
     host = host or config.host

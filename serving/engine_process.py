@@ -60,7 +60,7 @@ class RuntimeOptions:
     threads: int | None = None
     max_batch: int | None = None
     max_waiting: int = 64
-    prefix_cache_bytes: int = 0  # the prefix cache's budget (serving.prefix_cache_mib); 0: none
+    prefix_cache_bytes: int = 1 << 30  # the prefix cache's budget (serving.prefix_cache_mib); 0: none
 
 
 class EngineProcess:
@@ -240,7 +240,7 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
         events.send(("refused", str(err) if isinstance(err, VersionRefused) else f"{pulled.label} is refused: {type(err).__name__}: {err}"))
         return
     outbox = _Outbox(events)
-    cache = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
+    cache = PrefixCache(engine.prefix_cache_budget(options.prefix_cache_bytes)) if options.prefix_cache_bytes and engine.continues_prefills else None
     scheduler = Scheduler(engine, EngineTokenizer(pulled.engine_dir.path), max_waiting, options.max_batch, observe=outbox.flush, prefix_cache=cache)
     held: dict[int, Sequence] = {}
     events.send(("ready",))

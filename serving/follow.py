@@ -40,13 +40,20 @@ class NothingToServe(KilnError):
     """The alias names no version, or only one the loader refuses."""
 
 
-def kv_memory_text(manifest: EngineManifest, max_batch: int | None) -> str:
-    """What the KV cache of the running batch can take at most: a service's memory plan."""
+def kv_memory_text(manifest: EngineManifest, max_batch: int | None, prefix_cache_bytes: int = 0) -> str:
+    """What the KV cache of the running batch can take at most, and the prompts a prefix
+    cache's budget holds: a service's memory plan."""
     limits = Limits.of(manifest, max_batch)
     most = manifest.kv_bytes_per_token * limits.max_batch * limits.max_total
     sequences = f"{limits.max_batch} sequence{'' if limits.max_batch == 1 else 's'}"
-    size = f"{most / (1 << 30):.2f} GiB" if most >= 1 << 30 else f"{most / (1 << 20):.1f} MiB"
-    return f"KV cache: {manifest.kv_bytes_per_token / 1024:.1f} KiB a token a sequence; {sequences} × {limits.max_total} tokens take {size} at most"
+    text = f"KV cache: {manifest.kv_bytes_per_token / 1024:.1f} KiB a token a sequence; {sequences} × {limits.max_total} tokens take {_size(most)} at most"
+    if prefix_cache_bytes:
+        text += f"; the prefix cache's {_size(prefix_cache_bytes)} hold {prefix_cache_bytes // manifest.kv_bytes_per_token:,} prompt tokens"
+    return text
+
+
+def _size(count: int) -> str:
+    return f"{count / (1 << 30):.2f} GiB" if count >= 1 << 30 else f"{count / (1 << 20):.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,7 @@ class AliasFollower:
         self._on_event("swapped", new, new.load_seconds)
         was = f", swapped in for version {old.version}" if old is not None else ""
         log.info("serving %s version %s (%s %s), loaded in %.2f s%s", new.model, new.version, new.facts[tags.BACKEND], new.facts[tags.PRECISION], new.load_seconds, was)
-        log.info("%s", kv_memory_text(new.pulled.engine_dir.manifest, self.options.max_batch))
+        log.info("%s", kv_memory_text(new.pulled.engine_dir.manifest, self.options.max_batch, self.options.prefix_cache_bytes))
         if new.pulled.signed_by is None and self.source.alias is not None:  # from the registry (not a local directory), unsigned
             log.warning("version %s is UNSIGNED: served only because registry.require_signature is false (`kiln keys sign-existing` signs it)", new.version)
         if old is not None:

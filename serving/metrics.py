@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from registry.tags import GATES_PASSED, PRECISION
+from serving.prefix_cache import PrefixCounts
 from serving.scheduler import Turn
 from serving.series import DECODED_ROWS, GENERATED_TOKENS, PROMPT_TOKENS, QUEUE_DEPTH, RUNNING_BATCH
 
@@ -51,6 +52,16 @@ class ServerMetrics:
         )
         self.grammar_mask_seconds = Counter("kiln_grammar_mask_seconds_total", "Time the engine spent filling grammars' token masks.", registry=r)
         self.grammar_masked_tokens = Counter("kiln_grammar_masked_tokens_total", "Tokens picked under a grammar's mask.", registry=r)
+        # The prefix cache, in the spellings of vLLM's: cached over queried tokens is its hit rate.
+        self.prefix_queries = Counter("kiln_prefix_cache_queries_total", "Prompts looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("kiln_prefix_cache_hits_total", "Prompts that began with blocks the prefix cache held.", registry=r)
+        self.prefix_queried_tokens = Counter("kiln_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cached_tokens = Counter(
+            "kiln_prefix_cache_cached_tokens_total", "Prompt tokens whose KV the prefix cache gave (not prefilled).", registry=r
+        )
+        self.prefix_evictions = Counter("kiln_prefix_cache_evictions_total", "Blocks the prefix cache dropped for room.", registry=r)
+        self.prefix_bytes = Gauge("kiln_prefix_cache_bytes", "Memory the prefix cache holds.", registry=r)
+        self.prefix_blocks = Gauge("kiln_prefix_cache_blocks", "Blocks the prefix cache holds.", registry=r)
         self.engine_load = Histogram(
             "kiln_engine_load_seconds", "Pull, verify, load and warm-up of an engine.", registry=r, buckets=_REQUEST_BUCKETS
         )
@@ -80,6 +91,17 @@ class ServerMetrics:
         if turn.masked_rows:
             self.grammar_mask_seconds.inc(turn.mask_seconds)
             self.grammar_masked_tokens.inc(turn.masked_rows)
+        if turn.prefix is not None:
+            self._observe_prefix(turn.prefix)
+
+    def _observe_prefix(self, counts: PrefixCounts) -> None:
+        self.prefix_queries.inc(counts.queries)
+        self.prefix_hits.inc(counts.hits)
+        self.prefix_queried_tokens.inc(counts.queried_tokens)
+        self.prefix_cached_tokens.inc(counts.cached_tokens)
+        self.prefix_evictions.inc(counts.evictions)
+        self.prefix_bytes.set(counts.bytes)
+        self.prefix_blocks.set(counts.blocks)
 
 
 class GpuCollector(Collector):

@@ -32,7 +32,7 @@ from components.runtime.engine import DecodeState, Engine, Picked, left_pad
 from components.runtime.logprobs import TokenLogprob, logprobs_of
 from components.runtime.sampling import Draws, Sampling
 from components.runtime.tokenizer import EngineTokenizer
-from serving.prefix_cache import Hit, PrefixCache
+from serving.prefix_cache import Hit, PrefixCache, PrefixCounts
 from serving.text import TextStream
 
 log = logging.getLogger("kiln.serving")
@@ -90,13 +90,15 @@ Event = Delta | Finished | Failed
 @dataclass(frozen=True)
 class Turn:
     """What one turn did, for the server's gauges and counters: the batch, the line, the
-    rows decoded, and the grammars' masks (seconds spent filling them, rows masked)."""
+    rows decoded, the grammars' masks (seconds spent filling them, rows masked), and the
+    prefix cache's counts (None without one)."""
 
     running: int
     waiting: int
     decoded: int
     mask_seconds: float = 0.0
     masked_rows: int = 0
+    prefix: PrefixCounts | None = None
 
 
 def ignore_turn(turn: Turn) -> None:
@@ -254,7 +256,8 @@ class Scheduler:
             except Exception as err:  # an engine failure ends the sequences it touched, not the server
                 self._fail_all(f"the engine failed: {type(err).__name__}: {err}")
             try:
-                self._observe(Turn(self._live, len(self._waiting), decoded, *self.engine.mask_clock.read()))
+                prefix = self.prefix_cache.read() if self.prefix_cache is not None else None
+                self._observe(Turn(self._live, len(self._waiting), decoded, *self.engine.mask_clock.read(), prefix))
             except Exception:  # a broken metrics hook must not stop the engine's thread (every client would hang)
                 log.exception("the scheduler's turn observer failed; serving goes on")
 
@@ -318,12 +321,21 @@ class Scheduler:
 
     def _prefill(self, admitted: list[_Held]) -> None:
         """The admitted prompts' first tokens: those whose beginning the prefix cache holds
-        prefill only the rest, each on its own; the others together."""
+        prefill only the rest, each on its own; the others together. A prompt that mostly
+        repeats an earlier one's beginning waits for that one's prefill, then takes its
+        blocks from the cache: a burst that shares an uncached prefix computes it once."""
+        if self.prefix_cache is None:
+            self._prefill_whole(admitted)
+            return
+        first, then = _coalesced(admitted, self.prefix_cache.block)
+        self._prefill_cached(first)
+        self._prefill_cached(then)
+
+    def _prefill_cached(self, admitted: list[_Held]) -> None:
         hits = {}
-        if self.prefix_cache is not None:
-            for r in admitted:
-                if r.seq.sampling.prompt_logprobs is None and (hit := self.prefix_cache.lookup(r.seq.prompt)) is not None:
-                    hits[r] = hit
+        for r in admitted:
+            if r.seq.sampling.prompt_logprobs is None and (hit := self.prefix_cache.lookup(r.seq.prompt)) is not None:
+                hits[r] = hit
         whole = [r for r in admitted if r not in hits]
         if whole:
             self._prefill_whole(whole)
@@ -331,14 +343,13 @@ class Scheduler:
             self._prefill_after(r, hit)
 
     def _prefill_after(self, r: _Held, hit: Hit) -> None:
-        state = DecodeState(hit.cache, np.ones((1, hit.tokens), np.int64), np.array([[hit.tokens - 1]], np.int64))
         try:
-            logits, state = self.engine.extend(state, r.seq.prompt[hit.tokens :])
+            logits, state = self.engine.prefill_after(hit.cache, r.seq.prompt[hit.tokens :])
         except Exception as err:
             r.seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
             return
         r.seq.cached_tokens = hit.tokens
-        self.prefix_cache.store(r.seq.prompt, state.cache)
+        self.prefix_cache.store(r.seq.prompt, self.engine.kv_of(state, 0, len(r.seq.prompt)))
         rows = self._place([r], state)
         self._live += 1
         self._advance(self.engine.pick(logits[:, -1], [r.draws]), rows)
@@ -356,7 +367,7 @@ class Scheduler:
             if r.seq.sampling.prompt_logprobs is not None:
                 r.seq.prompt_logprobs = _prompt_logprobs(logits[index], r.seq.prompt, r.seq.sampling.prompt_logprobs)
             if self.prefix_cache is not None:
-                self.prefix_cache.store(r.seq.prompt, [part[index : index + 1] for part in state.cache])
+                self.prefix_cache.store(r.seq.prompt, self.engine.kv_of(state, index, len(r.seq.prompt)))
         rows = self._place(admitted, state)
         self._live += len(admitted)
         self._advance(self.engine.pick(logits[:, -1], [r.draws for r in admitted]), rows)
@@ -416,14 +427,11 @@ class Scheduler:
 
     def _keep_turn(self, row: int, r: _Held) -> None:
         """A finished sequence's prompt and reply into the prefix cache: a conversation's next
-        turn begins with them. Its last token was never fed, so its cache is not written."""
-        if self.prefix_cache is None or not isinstance(self._state, DecodeState):
-            return
-        tokens = r.seq.prompt + r.seq.generated[:-1]
-        held = int(self._state.attention_mask[row].sum())  # the row's positions: padding, then these
-        start = self._state.past_length - held
-        if held >= len(tokens):  # a multi-step turn may have fed tokens past its end: those stay out
-            self.prefix_cache.store(tokens, [part[row : row + 1, :, start : start + len(tokens)] for part in self._state.cache])
+        turn begins with them. Its last token was never fed, so its cache is not written
+        (and a multi-step turn may have fed tokens past its end: those stay out)."""
+        if self.prefix_cache is not None:
+            tokens = r.seq.prompt + r.seq.generated[:-1]
+            self.prefix_cache.store(tokens, self.engine.kv_of(self._state, row, len(tokens)))
 
     def _accept(self, r: _Held, token: int, logprob: TokenLogprob | None, now: float, text: list[str]) -> str | None:
         """Add a token to the sequence, its text to `text`; the finish reason if it ends
@@ -488,6 +496,28 @@ class Scheduler:
             self._state.rows([])  # gives the cache back (an engine's device slots)
         self._running, self._state, self._next = [], None, np.zeros(0, np.int64)
         self._live, self._free = 0, set()
+
+
+def _coalesced(admitted: list[_Held], block: int) -> tuple[list[_Held], list[_Held]]:
+    """Those to prefill first, and those that wait for them: a prompt whose first whole
+    blocks, half of it or more, are an earlier one's waits (prompts asking for their own
+    log probabilities are computed in full and never wait)."""
+    first: list[_Held] = []
+    then: list[_Held] = []
+    for r in admitted:
+        prompt = r.seq.prompt
+        shared = max((_shared_blocks(prompt, other.seq.prompt, block) for other in first), default=0)
+        waits = r.seq.sampling.prompt_logprobs is None and shared >= block and 2 * shared >= len(prompt)
+        (then if waits else first).append(r)
+    return first, then
+
+
+def _shared_blocks(a: list[int], b: list[int], block: int) -> int:
+    """Tokens `a` and `b` begin with in common, in whole blocks."""
+    n = min(len(a), len(b))
+    same = np.asarray(a[:n]) == np.asarray(b[:n])
+    common = n if same.all() else int(np.argmin(same))
+    return common // block * block
 
 
 def _holes_filled_from_the_tail(running: list[_Held | None]) -> list[int]:

@@ -5,7 +5,7 @@ A module of its own because Triton's Python backend stub cannot import prometheu
 (serving/metrics.py): its embedded Python 3.11.2 fails to load the interpreter's `_ssl`."""
 
 GENERATED_TOKENS = ("kiln_generated_tokens_total", "Tokens generated for clients.")
-PROMPT_TOKENS = ("kiln_prompt_tokens_total", "Prompt tokens prefilled.")
+PROMPT_TOKENS = ("kiln_prompt_tokens_total", "Prompt tokens of the requests served (those a prefix cache gave included).")
 QUEUE_DEPTH = ("kiln_queue_depth", "Sequences waiting for a batch slot.")
 RUNNING_BATCH = ("kiln_running_batch_size", "Sequences in the running batch.")
 DECODED_ROWS = ("kiln_decoded_rows_total", "Sequence rows advanced by decode steps.")

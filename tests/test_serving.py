@@ -68,6 +68,8 @@ class Store:
     def app(self, **settings):
         source = AliasSource(self.target, CHAMPION, self.root / "cache")
         runtime = RuntimeOptions(max_waiting=settings.pop("max_waiting", 32))
+        if "prefix_cache_bytes" in settings:
+            runtime = replace(runtime, prefix_cache_bytes=settings.pop("prefix_cache_bytes"))
         defaults = {"poll_interval_s": 0, "max_tokens": 64, "max_body_bytes": 8192, "webhook_secret": SECRET, "runtime": runtime}
         return create_app(source, ServerSettings(**(defaults | settings)))
 
@@ -1117,6 +1119,19 @@ def test_a_moved_alias_is_picked_up_by_polling_under_load_with_no_failed_request
     assert swaps == 2  # the first load, then the move
 
 
+def test_a_swapped_in_version_never_reuses_the_prefix_cache_of_the_one_before(fresh_store):
+    """The KV of one engine is not another's: a prompt cached under fp32 is prefilled in
+    full by int8 once the alias moves, then cached again."""
+    prompt = "The list type is a mutable sequence, and a tuple is an immutable sequence of values. Which"
+    with LiveServer(fresh_store.app(poll_interval_s=0.3, prefix_cache_bytes=16 << 20)) as live, live.client() as client:
+        cached = [completion(client, prompt=prompt, max_tokens=2).json()["usage"] for _ in range(2)]
+        promote(fresh_store.target, CHAMPION, version=fresh_store.int8)
+        wait_for_version(live, fresh_store.int8)
+        swapped = [completion(client, prompt=prompt, max_tokens=2).json()["usage"] for _ in range(2)]
+    reused = [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in cached + swapped]
+    assert reused[0] == 0 and reused[1] >= 16 and reused[2] == 0 and reused[3] == reused[1]
+
+
 def spoil_tampered(store: Store) -> str:
     tamper(stored_engine(store.target, store.int8), also_manifest=True)
     return "its files are not the ones signed"
@@ -1413,6 +1428,7 @@ def test_the_server_says_what_the_running_batchs_kv_cache_can_take(engine_dir):
     assert engine_dir.manifest.kv_bytes_per_token == 512
     assert kv_memory_text(engine_dir.manifest, None) == "KV cache: 0.5 KiB a token a sequence; 16 sequences × 128 tokens take 1.0 MiB at most"
     assert kv_memory_text(engine_dir.manifest, 1).endswith("1 sequence × 128 tokens take 0.1 MiB at most")
+    assert kv_memory_text(engine_dir.manifest, 1, 64 << 20).endswith("take 0.1 MiB at most; the prefix cache's 64.0 MiB hold 131,072 prompt tokens")
 
 
 def test_a_failing_turn_observer_is_logged_and_the_scheduler_keeps_answering(own_engine, tokenizer, caplog):

@@ -306,6 +306,44 @@ def test_a_sequence_moved_into_a_freed_slot_keeps_its_cache(cpu_engine, engine_d
     np.testing.assert_allclose(moved, alone, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_prompt_prefilled_after_its_cached_beginning_equals_the_whole_prefill_beside_a_running_sequence(family, cpu_engine_dir, family_engine_dirs):
+    """What a prefix cache's hit does on torch-cuda: the cached keys and values copied into
+    the next free slot, the rest of the prompt prefilled after them while another sequence
+    holds slot 0; the logits and the slot's cache are those of prefilling it whole."""
+    from components.runtime import open_engine
+    from components.runtime.engine import left_pad
+
+    prompt, running = list(range(5, 45)), list(range(60, 71))
+    with open_engine(cpu_engine_dir if family == "gpt2" else family_engine_dirs[family]) as engine:
+
+        def prefill(rows: list[list[int]]):
+            return engine.prefill(*left_pad(rows, engine.manifest.eos_token_id))
+
+        busy = prefill([running])[1]
+        expected, whole = prefill([prompt])
+        expected = expected.copy()  # a view of the prefill graphs' output, which the next prefill overwrites
+        expected_kv = [part.clone() for part in engine.kv_of(whole, 0, len(prompt))]
+        busy = busy.joined(whole).rows([0])
+        _, beginning = prefill([prompt[:32]])
+        cached = [part.clone() for part in engine.kv_of(beginning, 0, 32)]
+        busy = busy.joined(beginning).rows([0])
+        engine.runner.k_cache[:, 1].zero_()  # what the freed slot held must not be what is read
+        engine.runner.v_cache[:, 1].zero_()
+        logits, after = engine.prefill_after(cached, prompt[32:])
+        assert after.slots == [1] and after.lengths.tolist() == [len(prompt)]
+        np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+        for ours, theirs in zip(engine.kv_of(after, 0, len(prompt)), expected_kv, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        busy.joined(after).rows([])
+
+
+def test_a_conversation_on_the_torch_engine_reuses_its_cached_turns_and_answers_as_without_them(cpu_engine_dir, engine_dir):
+    from .test_prefix_cache import check_conversation
+
+    check_conversation(cpu_engine_dir.path, engine_dir.path)
+
+
 def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_its_own_sampling(cpu_engine_dir, engine, engine_dir):
     """kiln serve's continuous batching on a torch-cuda engine: more requests than slots,
     joining and leaving between steps (unequal lengths), greedy and sampled ones together.

@@ -175,6 +175,24 @@ class Engine(ABC):
             logits = logits[:, -1:]
         return logits, DecodeState(cache, mask, positions[:, -1:])
 
+    def prefill_after(self, cached: list[np.ndarray], new_ids: list[int]) -> tuple[np.ndarray, DecodeState]:
+        """A prompt whose first tokens' KV `cached` holds (a prefix cache's hit: each part (1,
+        kv heads, tokens, head dim), in `kv_of`'s order), prefilled from there: the last
+        position's logits (1, 1, vocab) and the sequence's state."""
+        tokens = cached[0].shape[2]
+        return self.extend(DecodeState(cached, np.ones((1, tokens), np.int64), np.array([[tokens - 1]], np.int64)), new_ids)
+
+    def kv_of(self, state: DecodeState, row: int, tokens: int) -> list[np.ndarray]:
+        """The KV of a row's first `tokens` positions (views; a prefix cache copies what it
+        keeps), each part (1, kv heads, tokens, head dim). A row is left-padded: its
+        positions are its last ones."""
+        start = state.past_length - int(state.attention_mask[row].sum())
+        return [part[row : row + 1, :, start : start + tokens] for part in state.cache]
+
+    def prefix_cache_budget(self, requested: int) -> int:
+        """The bytes a prefix cache of `requested` may hold here (host memory: all of them)."""
+        return requested
+
     def score(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Every position's logits (batch, sequence, vocab) of left-padded rows: what the
         quality gates compare with the PyTorch model."""

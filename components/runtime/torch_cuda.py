@@ -60,7 +60,9 @@ def _release(version: str) -> tuple[str, ...]:
 class TorchCudaEngine(Engine):
     """Greedy generation and scoring through the exported program and its runner."""
 
-    continues_prefills = False  # its cache lives in the device's slots, not in host arrays
+    # A prefix cache's hit is copied into the next free slot and its prompt's rest prefilled
+    # there (`prefill_after`); the cache keeps its blocks on the engine's device.
+    continues_prefills = True
 
     def __init__(self, engine_dir: EngineDir, compile_cache: Path | None = None) -> None:
         super().__init__(engine_dir)
@@ -138,6 +140,53 @@ class TorchCudaEngine(Engine):
         logits = self._prefill_every_position(input_ids, attention_mask) if every_position else self._prefill_last(input_ids, attention_mask)
         self._held = held + B
         return logits, SlotState(self, list(range(held, held + B)), attention_mask.sum(axis=1).astype(np.int64))
+
+    def prefill_after(self, cached: list, new_ids: list[int]) -> tuple[np.ndarray, SlotState]:
+        """A prompt whose first tokens' keys and values `cached` holds (a prefix cache's hit,
+        `kv_of`'s parts: every layer's keys, then its values) into the next free slot, and
+        the rest prefilled after them, eagerly; the last position's logits (1, 1, vocab)."""
+        import torch
+
+        from components.runtime.static_kv import causal_bias
+
+        runner, slot, tokens, new = self.runner, self._held, cached[0].shape[2], len(new_ids)
+        self._check_context((1, new))
+        if slot + 1 > runner.S:
+            raise ShapeOutOfProfile(f"{slot} sequences hold slots and 1 more does not fit the engine's {runner.S}")
+        if not new or tokens + new > runner.T:
+            raise ShapeOutOfProfile(f"{tokens} cached and {new} new tokens do not fit the engine's context of {runner.T}")
+        self.runner.drop_queued()
+        layers = len(cached) // 2
+        with torch.no_grad():
+            runner.k_cache[:, slot, :, :tokens] = torch.cat(cached[:layers])
+            runner.v_cache[:, slot, :, :tokens] = torch.cat(cached[layers:])
+            # Rows 0..slot-1 are the running sequences: their tokens go to the scratch column.
+            ids = torch.zeros(slot + 1, new, dtype=torch.long, device=self.device)
+            ids[slot] = torch.tensor(new_ids, device=self.device)
+            positions = torch.full((slot + 1, new), runner.T, dtype=torch.long, device=self.device)
+            positions[slot] = torch.arange(tokens, tokens + new, device=self.device)
+            bias = causal_bias(positions, runner.key_range[: tokens + new], runner.dtype)
+            last = torch.full((slot + 1, 1), new - 1, dtype=torch.long, device=self.device)
+            logits = runner.model(ids, positions, bias, last, runner.k_cache, runner.v_cache)[slot:]
+        self._held = slot + 1
+        return logits.float().cpu().numpy(), SlotState(self, [slot], np.array([tokens + new], np.int64))
+
+    def kv_of(self, state: SlotState, row: int, tokens: int) -> list:
+        """The keys and values of a row's first `tokens` positions in its slot (views of the
+        device cache; a prefix cache copies what it keeps): every layer's keys, then its
+        values, each (1, kv heads, tokens, head dim)."""
+        slot, runner = state.slots[row], self.runner
+        layers = range(runner.k_cache.shape[0])
+        return [runner.k_cache[layer, slot : slot + 1, :, :tokens] for layer in layers] + [runner.v_cache[layer, slot : slot + 1, :, :tokens] for layer in layers]
+
+    def prefix_cache_budget(self, requested: int) -> int:
+        """On a GPU, at most half the memory free once the engine has its slots: the prefix
+        cache's blocks share the card with the graphs' workspaces."""
+        if self.device != "cuda":
+            return requested
+        import torch
+
+        return min(requested, torch.cuda.mem_get_info()[0] // 2)
 
     def _prefill_last(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Through the prefill graphs: rows and prompt width rounded up (more left padding,
