@@ -228,9 +228,10 @@ def benchmark_calibration(work: Path, vocab: int, setup: BenchSetup):
     return CalibrationSet(path=work, digest=digest, prompts=tuple(map(tuple, prompts)), decode_steps=2)
 
 
-def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shape: dict = GPT2_SMALL) -> tuple[Path, dict[str, Path]]:
+def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shape: dict = GPT2_SMALL, context: int | None = None) -> tuple[Path, dict[str, Path]]:
     """The benchmark model and an ONNX Runtime engine per precision, built by the pipeline's
-    own stages (cached in `work` across invocations, with what each stage cost: `CostLog`)."""
+    own stages (cached in `work` across invocations, with what each stage cost: `CostLog`);
+    `context`: prompts and contexts up to that many tokens (else the build's default profile)."""
     from components.config import ExportParams, Int8Params, PrecisionParams
     from components.data import DataVersion
     from components.export import onnx_from_model
@@ -253,23 +254,31 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
             raise KilnError(f"--precisions: {name!r} is not one of {', '.join([*ORT_PRECISIONS, *VARIANTS])}")
         variant = settings.model_copy(update={"int8": settings.int8.model_copy(update={"scheme": scheme})})
         with costs.building(f"{name} precision", work / "precision") as graph_cost, costs.building(f"{name} engine", work / "engines") as engine_cost:
-            engines[name], graph, usages = _in_own_process(_engine, onnx, precision, calibration, variant, model, data, work)
+            engines[name], graph, usages = _in_own_process(_engine, onnx, precision, calibration, variant, model, data, work, _build_params(context))
             graph_cost(usages[0])
             engine_cost(usages[1])
         costs.chain(engines[name], [onnx.path, graph])
     return model.path, engines
 
 
-def _engine(onnx, precision: str, calibration, settings, model, data, work: Path) -> tuple[Path, Path, tuple[Usage, Usage]]:
+def _build_params(context: int | None):
+    from components.config import BuildParams, ProfileParams, ShapeRange
+
+    if context is None:
+        return BuildParams(backend="onnxruntime")
+    profiles = ProfileParams(prompt=ShapeRange(min=1, opt=32, max=context), context=ShapeRange(min=2, opt=64, max=context))
+    return BuildParams(backend="onnxruntime", profiles=profiles)
+
+
+def _engine(onnx, precision: str, calibration, settings, model, data, work: Path, build) -> tuple[Path, Path, tuple[Usage, Usage]]:
     from components.build import engine_from_onnx
-    from components.config import BuildParams
     from components.precision import precision_onnx
 
     with measured() as graph_usage:
         graph = precision_onnx(onnx, precision, calibration, settings, work / "precision")
     release_freed_memory()
     with measured() as engine_usage:
-        engine = engine_from_onnx(graph, model, data, BuildParams(backend="onnxruntime"), work / "engines", work)
+        engine = engine_from_onnx(graph, model, data, build, work / "engines", work)
     return engine.path, graph.onnx.path, (graph_usage, engine_usage)
 
 

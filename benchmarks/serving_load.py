@@ -195,13 +195,14 @@ def write_json(rows: list[ServingRow], setup: ServingBenchSetup, path: Path, rou
 class _Server:
     """`kiln serve --engine DIR` on a free loopback port; stopped with SIGTERM."""
 
-    def __init__(self, engine_dir: Path, max_batch: int | None, params_file: Path) -> None:
+    def __init__(self, engine_dir: Path, max_batch: int | None, params_file: Path, options: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # The interpreter running this, not a `kiln` script beside it: a checkout on PYTHONPATH has none.
         self.command = [sys.executable, "-m", "flows.cli", "serve", "--engine", str(engine_dir), "--params", str(params_file), "--port", str(self.port)]
         if max_batch:
             self.command += ["--max-batch", str(max_batch)]
+        self.command += options
         self.log = Path(tempfile.mkstemp(prefix="kiln-bench-serve-", suffix=".log")[1])
 
     def __enter__(self) -> str:

@@ -296,6 +296,7 @@ def serve(
     port: Annotated[int | None, typer.Option(help="port (default: serving.port, 8000)")] = None,
     engine: Annotated[Path | None, typer.Option(help="serve this local engine directory instead (no registry, no gates: for development)")] = None,
     max_batch: Annotated[int | None, typer.Option(help="cap on sequences per decode step (default: the engine's profile)", min=1)] = None,
+    prefix_cache_mib: Annotated[int | None, typer.Option(help="memory for prompts' KV caches, reused by prompts that begin alike; 0: none (default: serving.prefix_cache_mib)", min=0)] = None,
 ) -> None:
     """Serve models:/<name>@<alias> over an OpenAI-compatible API; follows the alias."""
     from flows.serving import serve_alias
@@ -303,7 +304,7 @@ def serve(
     root = Path.cwd()
     _prepare_environment(root)
     with _one_line_errors():
-        serve_alias(root, _load(params_file), alias, host, port, engine, max_batch)
+        serve_alias(root, _load(params_file), alias, host, port, engine, max_batch, prefix_cache_mib)
 
 
 bench_app = typer.Typer(
@@ -319,6 +320,7 @@ app.add_typer(bench_app, name="bench")
 
 # benchmarks.generation.SHAPES' names (a test holds them equal): --help lists them without
 # importing the benchmarks, which only the bench verbs load.
+Workload = Literal["random", "multi-turn"]
 BenchShape = Literal["gpt2-small", "smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "qwen2.5-7b", "tiny"]
 
 
@@ -433,6 +435,10 @@ def bench_serving(
     vocab: Annotated[int | None, typer.Option(min=2, help="prompt token ids are drawn below this (default: the engine's vocabulary)")] = None,
     triton_url: Annotated[list[str] | None, typer.Option(help="also drive the model (kiln export triton's) of the running Triton server at this URL, through generate_stream")] = None,
     constrained: Annotated[bool, typer.Option(help="also the batching server's clients asking for JSON of a schema (structured outputs): what a grammar costs")] = False,
+    workload: Annotated[Workload, typer.Option(help="random: prompts of random tokens, batching vs one at a time; multi-turn: conversations sharing a system prompt, the prefix cache off vs on")] = "random",
+    system_tokens: Annotated[int, typer.Option(min=0, help="multi-turn: tokens of the system prompt every conversation begins with")] = 512,
+    turns: Annotated[int, typer.Option(min=1, help="multi-turn: turns of each conversation (each a new user message of --prompt-tokens and a reply of --new-tokens)")] = 8,
+    shape: Annotated[BenchShape | None, typer.Option(help="add an int8 engine of this shape (random weights, as `kiln bench --shape`) with a 2,048-token profile")] = None,
 ) -> None:
     """The server under concurrent clients: continuous batching vs one request at a time,
     beside the engine's own generate; with --openai-url or --triton-url, other servers driven by the same clients."""
@@ -443,7 +449,10 @@ def bench_serving(
     setup = bs.ServingBenchSetup(clients=clients, seconds=seconds, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds, constrained=constrained)
     done = lambda row: render.console.print(f"  {row.engine}: {row.name} done ({row.tokens_per_s:,.0f} tokens/s)")  # noqa: E731
     with _one_line_errors():
-        engines = {} if openai_url and not (engine or gpt2_small) else _serving_bench_engines(root, params_file, engine or [], gpt2_small)
+        engines = {} if openai_url and not (engine or gpt2_small or shape) else _serving_bench_engines(root, params_file, engine or [], gpt2_small, shape)
+        if workload == "multi-turn":
+            _bench_conversations(engines, openai_url or [], setup, system_tokens, turns, params_file.resolve(), json_path, done)
+            return
         tokenizer_dir = next(iter(engines.values()), None)
         if triton_url and tokenizer_dir is None:
             raise KilnError("--triton-url beside --openai-url needs --engine DIR: its tokenizer turns the prompts into the text Triton takes")
@@ -471,8 +480,24 @@ def _prompt_vocab(vocab: int | None, engines: dict[str, Path]) -> int:
     return min(load_engine_dir(path).manifest.vocab_size for path in engines.values())
 
 
-def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], gpt2_small: bool) -> dict[str, Path]:
+def _bench_conversations(engines: dict[str, Path], urls: list[str], setup, system_tokens: int, turns: int, params_file: Path, json_path: Path | None, done) -> None:
+    from benchmarks import multi_turn as mt
+
+    talk = mt.Conversations(system_tokens=system_tokens, turns=turns)
+    rounds = mt.multi_turn_rows(engines, urls, setup, talk, params_file, on_row=done)
+    rows = mt.median_rows(rounds)
+    render.multi_turn_rows(rows, setup, talk)
+    if json_path is not None:
+        mt.write_json(rows, rounds, setup, talk, json_path)
+        render.console.print(f"rows written to {json_path}")
+
+
+def _serving_bench_engines(root: Path, params_file: Path, engines: list[Path], gpt2_small: bool, shape: str | None = None) -> dict[str, Path]:
     found = {path.name: path.resolve() for path in engines}
+    if shape is not None:
+        from benchmarks import generation as bm
+
+        found[f"{shape} int8"] = bm.benchmark_engines(Path(f".kiln/bench/{shape}-2k"), ["int8"], bm.BenchSetup(), bm.SHAPES[shape], context=2048)[1]["int8"]
     if not found:
         from benchmarks.serving_load import promoted_engine
 

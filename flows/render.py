@@ -169,6 +169,32 @@ def serving_rows(rows, setup, every_round) -> None:
         console.print(table)
 
 
+def multi_turn_rows(rows, setup, talk) -> None:
+    """One table of conversations: each row's time to first token and tokens/s, the
+    ratios against the same engine with its prefix cache off, and the prompt tokens it
+    prefilled (the rest its cache gave)."""
+    context = max(row.longest_prompt for row in rows)
+    table = Table(
+        title=f"multi-turn: {setup.clients} conversations at once, a {talk.system_tokens}-token system prompt, {talk.turns} turns of "
+        f"{setup.prompt_tokens} + {setup.new_tokens} tokens (contexts up to {context} tokens), {setup.seconds:.0f} s per row",
+        caption=f"{f'medians of {setup.rounds} rounds (turns and tokens: sums); ' if setup.rounds > 1 else ''}"
+        "TTFT: time to first token over every turn; ×: the cache-off row's TTFT p50 over this row's, this row's tokens/s over the cache-off row's; "
+        "prefilled: prompt tokens computed, the rest reused (hit rate)",
+        box=box.SIMPLE_HEAD, padding=0,
+    )  # fmt: skip
+    for column in ("server", "turns", "tok/s", "×", "TTFT p50", "p99 ms", "×", "prefilled", "hits"):
+        table.add_column(column, justify="left" if column == "server" else "right", no_wrap=True)
+    off = next((row for row in rows if row.name == "prefix cache off"), None)
+    for row in rows:
+        label = row.engine if row.name == "as served" else f"kiln, {row.name}"
+        table.add_row(
+            label, str(row.turns), f"{row.tokens_per_s:.0f}", _or_dash(row.tokens_per_s / off.tokens_per_s if off else float("nan"), "{:.2f}"),
+            f"{row.ttft_p50_ms:.0f}", f"{row.ttft_p99_ms:.0f}", _or_dash(off.ttft_p50_ms / row.ttft_p50_ms if off else float("nan"), "{:.2f}"),
+            f"{row.prefilled_tokens:,}", _or_dash(row.hit_rate, "{:.0%}"),
+        )  # fmt: skip
+    console.print(table)
+
+
 def _or_dash(value: float, form: str) -> str:
     """`value` in `form`, or a dash where it is not a number (no such row to divide by)."""
     return "—" if value != value else form.format(value)

@@ -1,6 +1,7 @@
 """`kiln bench` machinery on a tiny shape (speed itself is measured by `kiln bench`, not here)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,20 @@ def test_the_cpu_floor_reads_every_weight_but_the_looked_up_tables_at_the_measur
     int8 = onnx_read_bytes(load_engine_dir(engines["int8"]).engine_file)
     assert int8 < 0.5 * onnx_read_bytes(fp32.engine_file)
     assert 1e8 < memory_bandwidth(mib=50, repeats=2) < 1e13
+
+
+def test_the_multi_turn_bench_holds_whole_conversations_and_reads_what_the_prefix_cache_gave(engine_dir):
+    """kiln serve with its cache off then on, under conversations sharing a system prompt:
+    every turn answered, each client's turns whole conversations, and the cached prompt
+    tokens (from the usage) only where the cache is on."""
+    from benchmarks.multi_turn import CACHE_OFF, CACHE_ON, Conversations, multi_turn_rows
+    from benchmarks.serving_load import ServingBenchSetup
+
+    setup = ServingBenchSetup(clients=2, seconds=0.5, prompt_tokens=4, new_tokens=4)
+    talk = Conversations(system_tokens=32, turns=3, cache_mib=16)  # the test engine's profile holds 128 tokens
+    off, on = multi_turn_rows({"tiny": engine_dir.path}, [], setup, talk, Path(__file__).parents[1] / "params.yaml")
+    assert (off.name, on.name) == (CACHE_OFF, CACHE_ON)
+    for row in (off, on):
+        assert row.failed == 0 and row.turns >= 6 and row.turns % 3 == 0 and row.longest_prompt > 32
+    assert off.cached_tokens == 0 and off.prefilled_tokens == off.prompt_tokens
+    assert on.cached_tokens >= 32 * on.turns // 2 and on.cached_tokens % 16 == 0 and 0 < on.hit_rate < 1

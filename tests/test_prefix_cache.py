@@ -108,7 +108,11 @@ def test_a_conversations_next_turn_prefills_only_what_is_new_and_answers_as_with
     check_conversation(engine_dir.path, engine_dir.path)
 
 
-def check_conversation(engine_path, tokenizer_path) -> None:
+LONG_TURNS = ("The list type is a mutable sequence. A tuple is an immutable sequence of values. ", "Which one do you use for keys of a dict?")
+SHORT_TURNS = ("A tuple is an immutable sequence. ", "Which is for keys?")  # for tokenizers of a few hundred tokens
+
+
+def check_conversation(engine_path, tokenizer_path, turns: tuple[str, str] = LONG_TURNS) -> None:
     """A conversation's turns through the scheduler with a prefix cache and without: the
     cached tokens each turn reused, and the same answers (the torch-cuda tests call it too)."""
     from components.runtime import load_engine
@@ -116,8 +120,8 @@ def check_conversation(engine_path, tokenizer_path) -> None:
     from serving.scheduler import Finished, Scheduler, Sequence
 
     tokenizer = EngineTokenizer(tokenizer_path)
-    first = tokenizer.encode("The list type is a mutable sequence. A tuple is an immutable sequence of values. ")
-    second = first + tokenizer.encode("Which one do you use for keys of a dict?")
+    first = tokenizer.encode(turns[0])
+    second = first + tokenizer.encode(turns[1])
     cache = PrefixCache(16 << 20)
 
     def answers(prefix_cache: PrefixCache | None) -> list[Sequence]:

@@ -12,6 +12,11 @@ class EngineTokenizer:
 
         self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
 
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer has, added ones included (a model's table may have more rows)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str) -> list[int]:
         """The text's tokens alone (a stretch of a token stream, as the gates cut them)."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
