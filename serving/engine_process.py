@@ -240,6 +240,9 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
         events.send(("refused", str(err) if isinstance(err, VersionRefused) else f"{pulled.label} is refused: {type(err).__name__}: {err}"))
         return
     outbox = _Outbox(events)
+    # llguidance's tokenizer, built beside the scheduler rather than on its thread at the
+    # first constrained request (every running row would wait on it).
+    threading.Thread(target=_warm_grammars, args=(engine,), name="kiln-grammar-tokenizer", daemon=True).start()
     cache = PrefixCache(engine.prefix_cache_budget(options.prefix_cache_bytes)) if options.prefix_cache_bytes and engine.continues_prefills else None
     scheduler = Scheduler(engine, EngineTokenizer(pulled.engine_dir.path), max_waiting, options.max_batch, observe=outbox.flush, prefix_cache=cache)
     held: dict[int, Sequence] = {}
@@ -258,6 +261,15 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
         else:
             scheduler.close()
             return
+
+
+def _warm_grammars(engine) -> None:
+    from components.runtime.grammar import GrammarError
+
+    try:
+        engine.grammar_tokenizer()
+    except GrammarError:  # each constrained request says so when it comes
+        pass
 
 
 def _submit(scheduler: Scheduler, sequences: list[Sequence], outbox: _Outbox) -> None:

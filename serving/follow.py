@@ -112,6 +112,7 @@ def start_engine(
     manifest = pulled.engine_dir.manifest
     tool_format = (format_of_template(template.source) if template else None) or (FORMATS[chat.tool_format] if chat.tool_format else None)
     grammar = GrammarContext(pulled.engine_dir.path, manifest.vocab_size, tuple(sorted(manifest.stop_ids)))
+    threading.Thread(target=grammar.warm, name="kiln-grammar-tokenizer", daemon=True).start()
     return ServedEngine(pulled, process, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()), template, tool_format, grammar)
 
 

@@ -506,3 +506,20 @@ def test_the_call_reader_gives_the_same_calls_and_content_fed_whole_or_a_charact
     for reader in (whole, streamed):
         assert reader.content == content and [(c.name, c.arguments) for c in reader.calls if c.complete] == calls
     assert said == content and [fragments[i] for i in range(len(calls))] == [arguments for _, arguments in calls]
+
+
+def test_the_servers_grammar_tokenizer_is_built_when_the_engine_starts_not_at_the_first_constrained_request(engine_dir):
+    """llguidance's reading of a large vocabulary takes a while: built in a thread beside the
+    engine's start, the first constrained request does not wait on it on the event loop."""
+    import time
+
+    from components.runtime.grammar import grammar_tokenizer
+    from serving.app import ServerSettings, create_app
+    from serving.sources import LocalSource
+
+    grammar_tokenizer.cache_clear()
+    with LiveServer(create_app(LocalSource(engine_dir.path), ServerSettings(poll_interval_s=0))):
+        deadline = time.monotonic() + 30
+        while grammar_tokenizer.cache_info().currsize == 0:
+            assert time.monotonic() < deadline, "no grammar tokenizer was built within 30 s of the engine's start"
+            time.sleep(0.05)

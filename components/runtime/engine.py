@@ -229,19 +229,25 @@ class Engine(ABC):
         row has one), and the rows that cannot go on, with the reason."""
         if all(d.sampling.grammar is None for d in draws):
             return logits, {}
-        from components.runtime.grammar import Constraint, GrammarError, grammar_tokenizer, masked
+        from components.runtime.grammar import Constraint, GrammarError, masked
 
         failed = {}
         for row, d in enumerate(draws):
             if d.sampling.grammar is not None and d.constraint is None:
                 try:
-                    tokenizer = grammar_tokenizer(self.engine_dir.path / "tokenizer.json", logits.shape[-1], tuple(sorted(self.manifest.stop_ids)))
-                    d.constraint = Constraint(tokenizer, d.sampling.grammar)
+                    d.constraint = Constraint(self.grammar_tokenizer(logits.shape[-1]), d.sampling.grammar)
                 except GrammarError as err:  # the server checked it: only a grammar that outgrows a limit gets here
                     failed[row] = f"the grammar cannot be used: {err}"
         constraints = [None if row in failed else d.constraint for row, d in enumerate(draws)]
         logits, refused = masked(logits, constraints, self.mask_clock)
         return logits, failed | refused
+
+    def grammar_tokenizer(self, vocab_size: int | None = None):
+        """llguidance's reading of the engine's tokenizer, `vocab_size` (default: the
+        model's) wide; built once per process. GrammarError where it cannot be read."""
+        from components.runtime.grammar import grammar_tokenizer
+
+        return grammar_tokenizer(self.engine_dir.path / "tokenizer.json", vocab_size or self.manifest.vocab_size, tuple(sorted(self.manifest.stop_ids)))
 
     def decode_turn(self, state: DecodeState, next_ids: np.ndarray, draws: list[Draws], steps: int = 1, room: int = 0) -> tuple[Picked, DecodeState]:
         """`steps` (at most `max_turn_steps`) decode steps for every row, each sampling with
