@@ -701,7 +701,7 @@ class LogitsStepGraphs:
             if graph is None:
                 graph = self._graphs[(width, attended)] = self._capture(width, attended)
             graph.replay()
-        return self.logits[:B].cpu()
+        return self.logits[:B].to("cpu", copy=True)  # a copy: on a CPU device .cpu() is the buffer the next step overwrites
 
     def _body(self, width: int, attended: int) -> None:
         runner = self.runner
@@ -747,7 +747,7 @@ class PrefillGraphs:
             if graph is None:
                 graph = self._graphs[key] = captured(lambda: self._body(inputs), self._pool)
             graph.replay()
-        return self.logits[: key[0]][rows or slice(None)].cpu()
+        return self.logits[: key[0]][rows or slice(None)].to("cpu", copy=True)  # its own, as the step's logits
 
     def _body(self, inputs: Tensor) -> None:
         runner, (width, prompt) = self.runner, inputs.shape[1:]
