@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
@@ -195,8 +195,6 @@ async def _turn(client: aiohttp.ClientSession, model: str, prompt: str, setup: S
 
 
 def write_json(rows: list[TurnRow], rounds: list[TurnRow], setup: ServingBenchSetup, talk: Conversations, path: Path) -> None:
-    from dataclasses import asdict
-
     path.parent.mkdir(parents=True, exist_ok=True)
     described = lambda row: asdict(row) | {"prefilled_tokens": row.prefilled_tokens, "hit_rate": row.hit_rate}  # noqa: E731
     report = {"setup": asdict(setup), "conversations": asdict(talk), "rows": [described(r) for r in rows], "rounds": [described(r) for r in rounds]}

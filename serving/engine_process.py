@@ -229,6 +229,7 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
     # sees its pipe close and exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from components.runtime.grammar import built_in_background
     from components.runtime.onnxruntime import keep_freed_memory
     from components.runtime.tokenizer import EngineTokenizer
     from serving.loader import load_warm
@@ -240,10 +241,9 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
         events.send(("refused", str(err) if isinstance(err, VersionRefused) else f"{pulled.label} is refused: {type(err).__name__}: {err}"))
         return
     outbox = _Outbox(events)
-    # llguidance's tokenizer, built beside the scheduler rather than on its thread at the
-    # first constrained request (every running row would wait on it).
-    threading.Thread(target=_warm_grammars, args=(engine,), name="kiln-grammar-tokenizer", daemon=True).start()
-    cache = PrefixCache(engine.prefix_cache_budget(options.prefix_cache_bytes)) if options.prefix_cache_bytes and engine.continues_prefills else None
+    # Beside the scheduler, not on its thread at the first constrained request (every running row would wait).
+    built_in_background(engine.grammar_tokenizer)
+    cache = PrefixCache(engine.prefix_cache_budget(options.prefix_cache_bytes)) if options.prefix_cache_bytes else None  # the scheduler uses it where the engine can
     scheduler = Scheduler(engine, EngineTokenizer(pulled.engine_dir.path), max_waiting, options.max_batch, observe=outbox.flush, prefix_cache=cache)
     held: dict[int, Sequence] = {}
     events.send(("ready",))
@@ -261,15 +261,6 @@ def _engine_main(requests: Connection, events: Connection, pulled: PulledVersion
         else:
             scheduler.close()
             return
-
-
-def _warm_grammars(engine) -> None:
-    from components.runtime.grammar import GrammarError
-
-    try:
-        engine.grammar_tokenizer()
-    except GrammarError:  # each constrained request says so when it comes
-        pass
 
 
 def _submit(scheduler: Scheduler, sequences: list[Sequence], outbox: _Outbox) -> None:

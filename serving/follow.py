@@ -19,6 +19,7 @@ from pathlib import Path
 
 from components.engine_dir import EngineManifest
 from components.errors import KilnError, RegistryError, VersionRefused
+from components.runtime.grammar import built_in_background
 from components.runtime.tokenizer import EngineTokenizer
 from registry import VersionInfo, tags
 from serving.chat import ChatTemplate, ChatTemplateError, chat_template_for
@@ -112,7 +113,7 @@ def start_engine(
     manifest = pulled.engine_dir.manifest
     tool_format = (format_of_template(template.source) if template else None) or (FORMATS[chat.tool_format] if chat.tool_format else None)
     grammar = GrammarContext(pulled.engine_dir.path, manifest.vocab_size, tuple(sorted(manifest.stop_ids)))
-    threading.Thread(target=grammar.warm, name="kiln-grammar-tokenizer", daemon=True).start()
+    built_in_background(lambda: grammar.tokenizer)  # requests check their grammars with it on the event loop
     return ServedEngine(pulled, process, EngineTokenizer(pulled.engine_dir.path), time.perf_counter() - started, int(time.time()), template, tool_format, grammar)
 
 

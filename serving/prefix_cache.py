@@ -135,6 +135,8 @@ class PrefixCache:
     def _make_room(self, size: int, keep: _Block | None) -> bool:
         """Drop least recently used childless blocks (never `keep` or its ancestors) until
         `size` more bytes fit the budget; False where they cannot."""
+        if self.bytes + size <= self.max_bytes:
+            return True
         if size > self.max_bytes:
             return False
         kept = set()

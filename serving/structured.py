@@ -57,15 +57,6 @@ class GrammarContext:
     def tokenizer(self):
         return grammar_tokenizer(self.engine_dir / "tokenizer.json", self.vocab_size, self.stop_ids)
 
-    def warm(self) -> None:
-        """Build llguidance's tokenizer now, off the request path (a large vocabulary takes
-        a while, which the first constrained request would otherwise wait on, on the event
-        loop); one that cannot be built is said by each constrained request instead."""
-        try:
-            self.tokenizer
-        except GrammarError:
-            pass
-
     @functools.cached_property
     def added(self) -> dict[str, dict]:
         """The tokenizer's added tokens by their text: llguidance reads every one as a

@@ -103,7 +103,7 @@ class Engine(ABC):
 
     # Decode steps one `decode_turn` may take (the scheduler chooses how many; see there).
     max_turn_steps = 16
-    # The cache is host arrays a prefill can continue (`extend`): a prefix cache can serve it.
+    # A prefill can go on from a prefix cache's hit (`prefill_after`, `kv_of`).
     continues_prefills = True
 
     @property

@@ -12,7 +12,9 @@ bytes and stay forbidden.
 from __future__ import annotations
 
 import functools
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,20 @@ def grammar_tokenizer(tokenizer_json: Path, vocab_size: int, stop_ids: tuple[int
         return LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos or None)
     except (ValueError, OSError) as err:
         raise GrammarError(f"the engine's tokenizer ({tokenizer_json}) cannot be read for grammars: {err}") from None
+
+
+def built_in_background(tokenizer: Callable[[], object]) -> None:
+    """Build llguidance's tokenizer (`tokenizer()`, cached by `grammar_tokenizer`) in a thread
+    now, not at the first constrained request, which would wait on it (a large vocabulary
+    takes a while); one that cannot be built is said by each constrained request instead."""
+
+    def build() -> None:
+        try:
+            tokenizer()
+        except GrammarError:
+            pass
+
+    threading.Thread(target=build, name="kiln-grammar-tokenizer", daemon=True).start()
 
 
 def json_schema_grammar(schema: dict | bool) -> str:

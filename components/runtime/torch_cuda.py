@@ -60,10 +60,6 @@ def _release(version: str) -> tuple[str, ...]:
 class TorchCudaEngine(Engine):
     """Greedy generation and scoring through the exported program and its runner."""
 
-    # A prefix cache's hit is copied into the next free slot and its prompt's rest prefilled
-    # there (`prefill_after`); the cache keeps its blocks on the engine's device.
-    continues_prefills = True
-
     def __init__(self, engine_dir: EngineDir, compile_cache: Path | None = None) -> None:
         super().__init__(engine_dir)
         self.device = device_for(self.manifest)
@@ -147,8 +143,6 @@ class TorchCudaEngine(Engine):
         the rest prefilled after them, eagerly; the last position's logits (1, 1, vocab)."""
         import torch
 
-        from components.runtime.static_kv import causal_bias
-
         runner, slot, tokens, new = self.runner, self._held, cached[0].shape[2], len(new_ids)
         self._check_context((1, new))
         if slot + 1 > runner.S:
@@ -157,19 +151,13 @@ class TorchCudaEngine(Engine):
             raise ShapeOutOfProfile(f"{tokens} cached and {new} new tokens do not fit the engine's context of {runner.T}")
         self.runner.drop_queued()
         layers = len(cached) // 2
-        with torch.no_grad():
-            runner.k_cache[:, slot, :, :tokens] = torch.cat(cached[:layers])
-            runner.v_cache[:, slot, :, :tokens] = torch.cat(cached[layers:])
-            # Rows 0..slot-1 are the running sequences: their tokens go to the scratch column.
-            ids = torch.zeros(slot + 1, new, dtype=torch.long, device=self.device)
-            ids[slot] = torch.tensor(new_ids, device=self.device)
-            positions = torch.full((slot + 1, new), runner.T, dtype=torch.long, device=self.device)
-            positions[slot] = torch.arange(tokens, tokens + new, device=self.device)
-            bias = causal_bias(positions, runner.key_range[: tokens + new], runner.dtype)
-            last = torch.full((slot + 1, 1), new - 1, dtype=torch.long, device=self.device)
-            logits = runner.model(ids, positions, bias, last, runner.k_cache, runner.v_cache)[slot:]
+        runner.k_cache[:, slot, :, :tokens] = torch.cat(cached[:layers])
+        runner.v_cache[:, slot, :, :tokens] = torch.cat(cached[layers:])
+        ids = torch.tensor([new_ids], device=self.device)
+        positions = torch.arange(tokens, tokens + new, device=self.device)[None]
+        logits = self._eager(ids, positions, torch.tensor([[new - 1]], device=self.device), attended=tokens + new)
         self._held = slot + 1
-        return logits.float().cpu().numpy(), SlotState(self, [slot], np.array([tokens + new], np.int64))
+        return logits, SlotState(self, [slot], np.array([tokens + new], np.int64))
 
     def kv_of(self, state: SlotState, row: int, tokens: int) -> list:
         """The keys and values of a row's first `tokens` positions in its slot (views of the
@@ -206,18 +194,27 @@ class TorchCudaEngine(Engine):
         are (rows, prompt, vocab) on the host anyway)."""
         import torch
 
+        P = input_ids.shape[1]
+        positions = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=self.runner.T)
+        return self._eager(torch.as_tensor(input_ids, device=self.device), positions, torch.arange(P, device=self.device)[None], attended=P)
+
+    def _eager(self, ids, positions, picked, attended: int) -> np.ndarray:
+        """The program, eagerly, on new rows (`ids` and `positions`, (rows, P)) placed in the
+        slots after the held ones, whose rows feed their tokens to the scratch column; the
+        logits of each new row's `picked` positions ((1, K), the same for every row),
+        attending to the cache's first `attended` columns."""
+        import torch
+
         from components.runtime.static_kv import causal_bias
 
-        runner, (B, P), held = self.runner, input_ids.shape, self._held
-        # Rows 0..held-1 are the running sequences: their tokens go to the scratch column.
-        ids = torch.zeros(held + B, P, dtype=torch.long, device=self.device)
-        ids[held:] = torch.as_tensor(input_ids, device=self.device)
-        positions = torch.full((held + B, P), runner.T, dtype=torch.long, device=self.device)
-        positions[held:] = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=runner.T)
+        runner, held, (B, P) = self.runner, self._held, ids.shape
+        every_ids = torch.zeros(held + B, P, dtype=torch.long, device=self.device)
+        every_ids[held:] = ids
+        every_position = torch.full((held + B, P), runner.T, dtype=torch.long, device=self.device)
+        every_position[held:] = positions
         with torch.no_grad():
-            bias = causal_bias(positions, runner.key_range[:P], runner.dtype)
-            every = torch.arange(P, device=self.device).expand(held + B, P)
-            logits = runner.model(ids, positions, bias, every, runner.k_cache, runner.v_cache)[held:]
+            bias = causal_bias(every_position, runner.key_range[:attended], runner.dtype)
+            logits = runner.model(every_ids, every_position, bias, picked.expand(held + B, -1), runner.k_cache, runner.v_cache)[held:]
         return logits.float().cpu().numpy()
 
     def decode(self, state: SlotState, next_ids: np.ndarray) -> tuple[np.ndarray, SlotState]:
