@@ -393,7 +393,7 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
 
 def test_constrained_rows_on_the_torch_engine_parse_and_leave_the_free_rows_of_their_batch_alone(cpu_engine_dir, engine, engine_dir):
     """A grammar's mask on the torch-cuda engine (here on the CPU): the batch takes one-step
-    turns with its logits on the host; the constrained answers parse, the free greedy rows
+    turns, masked and sampled where the logits are; the constrained answers parse, the free greedy rows
     equal the ONNX Runtime engine's, and a seeded constrained row equals itself alone."""
     import json
     import threading
@@ -425,6 +425,23 @@ def test_constrained_rows_on_the_torch_engine_parse_and_leave_the_free_rows_of_t
     for seq in free:
         assert seq.generated == engine.generate([seq.prompt], seq.sampling)[0]
     assert scheduler.close(timeout=10)
+
+
+def test_a_grammars_mask_on_the_device_forbids_exactly_the_tokens_the_host_mask_forbids():
+    """The bitmask llguidance fills, applied where the logits are (torch) and on the host
+    (numpy), over a vocabulary that is not a multiple of 32: the same -inf, the rows without
+    a grammar untouched."""
+    from components.runtime.torch_sampling import forbid_disallowed
+
+    rng, vocab = np.random.default_rng(1), 50_257
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    bitmask = rng.integers(-(2**31), 2**31, size=(2, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    on_device = torch.from_numpy(logits.copy())
+    forbid_disallowed(on_device, torch.tensor([0, 2]), torch.from_numpy(bitmask))
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    assert np.array_equal(np.isinf(on_device.numpy()[[0, 2]]), ~allowed)
+    assert np.array_equal(on_device.numpy()[1], logits[1]) and np.isfinite(on_device.numpy()[1]).all()
+    assert 0.4 < allowed.mean() < 0.6  # both kinds of token were there to get wrong
 
 
 def test_the_schedulers_log_probabilities_are_the_onnx_runtime_engines_prompt_and_generated_alike(cpu_engine_dir, engine_dir):

@@ -229,18 +229,25 @@ class Engine(ABC):
         row has one), and the rows that cannot go on, with the reason."""
         if all(d.sampling.grammar is None for d in draws):
             return logits, {}
-        from components.runtime.grammar import Constraint, GrammarError, masked
+        from components.runtime.grammar import masked
+
+        constraints, failed = self.constraints(draws, logits.shape[-1])
+        logits, refused = masked(logits, constraints, self.mask_clock)
+        return logits, failed | refused
+
+    def constraints(self, draws: list[Draws], vocab: int) -> tuple[list, dict[int, str]]:
+        """Each row's grammar as it stands (None for a row without one), made at a row's first
+        token; the rows whose grammar cannot be made, with the reason."""
+        from components.runtime.grammar import Constraint, GrammarError
 
         failed = {}
         for row, d in enumerate(draws):
             if d.sampling.grammar is not None and d.constraint is None:
                 try:
-                    d.constraint = Constraint(self.grammar_tokenizer(logits.shape[-1]), d.sampling.grammar)
+                    d.constraint = Constraint(self.grammar_tokenizer(vocab), d.sampling.grammar)
                 except GrammarError as err:  # the server checked it: only a grammar that outgrows a limit gets here
                     failed[row] = f"the grammar cannot be used: {err}"
-        constraints = [None if row in failed else d.constraint for row, d in enumerate(draws)]
-        logits, refused = masked(logits, constraints, self.mask_clock)
-        return logits, failed | refused
+        return [None if row in failed else d.constraint for row, d in enumerate(draws)], failed
 
     def grammar_tokenizer(self, vocab_size: int | None = None):
         """llguidance's reading of the engine's tokenizer, `vocab_size` (default: the

@@ -110,21 +110,29 @@ class MaskClock:
 def masked(logits: np.ndarray, constraints: list[Constraint | None], clock: MaskClock) -> tuple[np.ndarray, dict[int, str]]:
     """`logits` (rows, vocab) with what each row's constraint forbids at -inf (rows without
     one untouched); rows whose grammar allows nothing at all are named with the reason."""
-    import llguidance.numpy as llnp
-
     started = time.perf_counter()
-    rows = [row for row, c in enumerate(constraints) if c is not None]
-    # Zeros, not llguidance's all-allowed default: a row the executor leaves unwritten (its
-    # matcher has failed) then allows nothing and fails, rather than letting any token through.
-    bitmask = np.zeros(llnp.get_bitmask_shape(len(rows), logits.shape[-1]), np.int32)
-    _executor().unsafe_compute_mask_ptr([(constraints[row].matcher, i) for i, row in enumerate(rows)], bitmask.ctypes.data, bitmask.shape[1] * 4, len(rows))
+    rows, bitmask, failed = allowed_tokens(constraints, logits.shape[-1])
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[-1]].view(bool)
     out = np.array(logits, np.float32, copy=True)
     out[rows] = np.where(allowed, out[rows], -np.inf)
-    failed = {row: f"the grammar allows no token: {_first_line(constraints[row].matcher.get_error()) or 'it has ended'}" for i, row in enumerate(rows) if not allowed[i].any() or constraints[row].matcher.is_error()}
     clock.seconds += time.perf_counter() - started
     clock.rows += len(rows)
     return out, failed
+
+
+def allowed_tokens(constraints: list[Constraint | None], vocab: int) -> tuple[list[int], np.ndarray, dict[int, str]]:
+    """The constrained rows, their allowed tokens as llguidance's bitmask ((rows, vocab / 32)
+    int32, bit t of a row set where token t is allowed), and the rows whose grammar allows
+    nothing at all, with the reason."""
+    import llguidance.numpy as llnp
+
+    rows = [row for row, c in enumerate(constraints) if c is not None]
+    # Zeros, not llguidance's all-allowed default: a row the executor leaves unwritten (its
+    # matcher has failed) then allows nothing and fails, rather than letting any token through.
+    bitmask = np.zeros(llnp.get_bitmask_shape(len(rows), vocab), np.int32)
+    _executor().unsafe_compute_mask_ptr([(constraints[row].matcher, i) for i, row in enumerate(rows)], bitmask.ctypes.data, bitmask.shape[1] * 4, len(rows))
+    failed = {row: f"the grammar allows no token: {_first_line(constraints[row].matcher.get_error()) or 'it has ended'}" for i, row in enumerate(rows) if not bitmask[i].any() or constraints[row].matcher.is_error()}
+    return rows, bitmask, failed
 
 
 def _first_line(error: str) -> str:

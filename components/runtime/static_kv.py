@@ -685,9 +685,14 @@ class LogitsStepGraphs:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if runner.use_graphs else None
 
-    @torch.no_grad()
     def __call__(self, next_ids: Sequence[int], positions: Sequence[int]) -> Tensor:
         """Logits (B, vocab) on the host, fp32, after writing each row's token at its position."""
+        return self.on_device(next_ids, positions).to("cpu", copy=True)  # a copy: on a CPU device .cpu() is the buffer the next step overwrites
+
+    @torch.no_grad()
+    def on_device(self, next_ids: Sequence[int], positions: Sequence[int]) -> Tensor:
+        """The same logits left on the device: the graphs' output buffer, which the next step
+        overwrites (read or copy it before)."""
         runner, B = self.runner, len(next_ids)
         width = runner._width(B - 1)
         attended = runner._attn_len(max(positions) + 1)
@@ -701,7 +706,7 @@ class LogitsStepGraphs:
             if graph is None:
                 graph = self._graphs[(width, attended)] = self._capture(width, attended)
             graph.replay()
-        return self.logits[:B].to("cpu", copy=True)  # a copy: on a CPU device .cpu() is the buffer the next step overwrites
+        return self.logits[:B]
 
     def _body(self, width: int, attended: int) -> None:
         runner = self.runner

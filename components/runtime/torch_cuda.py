@@ -19,6 +19,7 @@ positions. Two ways through the same program:
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,9 +240,11 @@ class TorchCudaEngine(Engine):
         asked = [d.sampling.logprobs for d in draws]
         if any(d.sampling.grammar is not None for d in draws):
             # A grammar's mask is the host's to fill, token by token: the batch takes one-step
-            # turns whose logits come to the host (what a constrained row costs the graphs).
-            logits, state = self.decode(state, next_ids)
-            return self.pick(logits, draws), state
+            # turns (what a constrained row costs the graphs). The logits stay on the device,
+            # masked and sampled there: the mask goes over (vocab / 8 bytes a row), tokens come back.
+            self.runner.drop_queued()
+            logits = self._step.on_device(ids, positions)
+            return self._picked(logits, draws), SlotState(self, state.slots, state.lengths + 1)
         if all(d.sampling.greedy for d in draws) and all(n is None for n in asked):
             picked = Picked(self.runner.decode_rows(ids, positions, steps, min(room, self.runner.T - int(state.lengths.max())), self.max_turn_steps), {}, {})
             steps = picked.tokens.shape[1]
@@ -262,21 +265,49 @@ class TorchCudaEngine(Engine):
         is batched; log probabilities as every engine computes them."""
         import torch
 
+        return self._picked(torch.tensor(logits, dtype=torch.float32), draws)  # a copy: a grammar masks it in place
+
+    def _picked(self, logits, draws: list[Draws]) -> Picked:
+        """Each row's token from `logits` ((rows, vocab) fp32, where the step left them), within
+        its grammar, by `torch_sampling`'s rule: only the tokens (and asked-for log
+        probabilities, of the masked logits) come to the host."""
+        import torch
+
         from components.runtime.torch_sampling import sample_rows
 
-        logits, failed = self.constrained(logits, draws)
+        failed = self._constrain(logits, draws)
         if all(d.sampling.greedy for d in draws):
             tokens = logits.argmax(-1)  # no sort of the vocabulary for nothing
         else:
-            settings = torch.tensor([(d.sampling.temperature, d.sampling.top_p) for d in draws], dtype=torch.float32)
-            streams = torch.tensor([(d.key, d.drawn) for d in draws], dtype=torch.long)
-            tokens = sample_rows(torch.from_numpy(logits), settings[:, 0], settings[:, 1], streams[:, 0], streams[:, 1]).numpy()
+            settings = torch.tensor([(d.sampling.temperature, d.sampling.top_p) for d in draws], dtype=torch.float32, device=logits.device)
+            streams = torch.tensor([(d.key, d.drawn) for d in draws], dtype=torch.long, device=logits.device)
+            tokens = sample_rows(logits, settings[:, 0], settings[:, 1], streams[:, 0], streams[:, 1])
+        tokens = tokens.cpu().numpy()
         logprobs = {
-            row: logprobs_of(logits[row : row + 1], [int(tokens[row])], d.sampling.logprobs)
+            row: logprobs_of(logits[row : row + 1].cpu().numpy(), [int(tokens[row])], d.sampling.logprobs)
             for row, d in enumerate(draws)
             if d.sampling.logprobs is not None and row not in failed
         }
         return Picked(tokens[:, None], logprobs, failed | advanced(draws, tokens, failed))
+
+    def _constrain(self, logits, draws: list[Draws]) -> dict[int, str]:
+        """What each row's grammar forbids set to -inf in `logits`, in place, where they are:
+        llguidance fills the rows' bitmasks on the host; the rows that cannot go on, with the reason."""
+        if all(d.sampling.grammar is None for d in draws):
+            return {}
+        import torch
+
+        from components.runtime.grammar import allowed_tokens
+        from components.runtime.torch_sampling import forbid_disallowed
+
+        started = time.perf_counter()
+        constraints, failed = self.constraints(draws, logits.shape[-1])
+        rows, bitmask, refused = allowed_tokens(constraints, logits.shape[-1])
+        device = logits.device
+        forbid_disallowed(logits, torch.tensor(rows, device=device), torch.from_numpy(bitmask).to(device))
+        self.mask_clock.seconds += time.perf_counter() - started
+        self.mask_clock.rows += len(rows)
+        return failed | refused
 
     def forward(self, input_ids, attention_mask, position_ids, cache, logits_positions=None):
         raise EngineError("torch-cuda engines keep their KV cache on the device: use prefill and decode (slots), score or generate")

@@ -75,3 +75,13 @@ def top_logprobs(logits: Tensor, chosen: Tensor, top: int) -> tuple[Tensor, Tens
     picked = logprobs.gather(-1, chosen.unsqueeze(1)).squeeze(1)
     values, ids = logprobs.topk(max(top, 1), dim=-1)
     return picked, ids, values
+
+
+def forbid_disallowed(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
+    """`logits[rows]` at -inf where a grammar forbids the token, in place: `bitmask` (len(rows),
+    vocab / 32) int32, bit t of a row set where token t is allowed (llguidance's layout).
+    Eager ops, not llguidance.torch's version of this, which is decorated with torch.compile
+    and on a CPU device would compile C++ at its first call."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    forbidden = bits.flatten(1)[:, : logits.shape[-1]] == 0
+    logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
