@@ -208,7 +208,7 @@ class _Server:
     def __enter__(self) -> str:
         with self.log.open("w") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # a torch-cuda engine's first start compiles for minutes
         while not self._ready():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
