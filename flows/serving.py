@@ -59,30 +59,44 @@ def serve_alias(
     root: Path, params: Params, alias: str | None, host: str | None, port: int | None, engine: Path | None = None, max_batch: int | None = None, prefix_cache_mib: int | None = None
 ) -> None:
     """Serve the alias (default serving.alias), or with `engine` that local directory."""
-    from serving.app import ServerSettings, serve
-    from serving.engine_process import RuntimeOptions
-    from serving.sources import AliasSource, LocalSource
+    from serving.app import serve
 
-    config = params.serving
-    if engine is not None:
-        source = LocalSource(engine.resolve())
-    else:
-        target = registry_target(params.registry, root)
-        preflight(target)
-        source = AliasSource(target, alias or config.alias, Workspace(root).serving_cache, keep_versions=config.keep_versions)
-    settings = ServerSettings(
-        poll_interval_s=config.poll_interval_s if engine is None else 0, max_tokens=config.max_tokens, max_body_bytes=config.max_body_bytes,
-        api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
-        webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
-        runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting, prefix_cache_bytes=(config.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib) << 20),
-        max_n=config.max_n, chat_template=_chat_template(root, config.chat_template), tool_format=config.tool_format,
-    )  # fmt: skip
-    host = host or config.host
+    source, settings = engine_source(root, params, alias, engine), server_settings(root, params, engine is not None, max_batch, prefix_cache_mib)
+    host = host or params.serving.host
     if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         from flows import render
 
         render.note(f"serving on {host} with no {API_KEY_ENV}: anyone who reaches this port can use the model")
-    serve(source, settings, host, port or config.port)
+    serve(source, settings, host, port or params.serving.port)
+
+
+def engine_source(root: Path, params: Params, alias: str | None, engine: Path | None):
+    """What a server serves: the alias (default serving.alias) from the registry, checked
+    reachable first, or the local engine directory `engine`."""
+    from serving.sources import AliasSource, LocalSource
+
+    if engine is not None:
+        return LocalSource(engine.resolve())
+    target = registry_target(params.registry, root)
+    preflight(target)
+    return AliasSource(target, alias or params.serving.alias, Workspace(root).serving_cache, keep_versions=params.serving.keep_versions)
+
+
+def server_settings(root: Path, params: Params, local: bool, max_batch: int | None = None, prefix_cache_mib: int | None = None):
+    """params.yaml's `serving` section and the environment's secrets as the server's
+    settings (a `local` engine directory is never polled)."""
+    from serving.app import ServerSettings
+    from serving.engine_process import RuntimeOptions
+
+    config = params.serving
+    prefix_cache_bytes = (config.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib) << 20
+    return ServerSettings(
+        poll_interval_s=0 if local else config.poll_interval_s, max_tokens=config.max_tokens, max_body_bytes=config.max_body_bytes,
+        api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
+        webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
+        runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting, prefix_cache_bytes=prefix_cache_bytes),
+        max_n=config.max_n, chat_template=_chat_template(root, config.chat_template), tool_format=config.tool_format,
+    )  # fmt: skip
 
 
 def _chat_template(root: Path, path: str | None) -> Path | None:
