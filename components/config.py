@@ -655,6 +655,26 @@ class SampleParams(_Section):
     """Its seed (the sample is reproducible)."""
 
 
+class FleetParams(_Section):
+    """`kiln fleet deploy`: `kiln serve` as replicas on a Ray cluster (Ray Serve), each node's
+    proxy behind HAProxy."""
+
+    address: str = "auto"
+    """The Ray cluster (`ray start --head` prints it; `kiln fleet start` starts one here); auto: the one this machine belongs to."""
+    replicas: int = Field(2, ge=1)
+    """Replicas, each an engine process with its own scheduler, pulling and verifying the version on its node."""
+    cpus_per_replica: float = Field(1.0, gt=0)
+    """CPUs Ray reserves for each replica (fractions work); the engine's threads are serving.threads."""
+    max_replicas_per_node: int | None = Field(None, ge=1)
+    """At most this many replicas on a node (1 spreads them: a node lost loses one); null: as Ray packs them."""
+    max_ongoing_requests: int = Field(256, ge=1)
+    """Requests Ray hands one replica at once; Ray's default (5) would cap kiln's continuous batching."""
+    port: int = Field(8200, ge=1, le=65535)
+    """The port of each node's Ray Serve proxy (HAProxy's servers)."""
+    haproxy_port: int = Field(8300, ge=1, le=65535)
+    """The port the generated HAProxy configuration listens on for clients."""
+
+
 class ServingParams(_Section):
     """`kiln serve`: which alias it follows and how it treats clients. Secrets never live
     here: the bearer token and the webhook secret come from KILN_API_KEY and
@@ -690,6 +710,8 @@ class ServingParams(_Section):
     """Memory the engine process may keep prompts' KV caches in, so that a prompt beginning with one seen before (a conversation's next turn, a shared system prompt) prefills only the rest (ONNX Runtime: host memory; torch-cuda: the device's, at most half what is free); 0: no prefix cache."""
     tool_format: Literal["hermes", "llama3_json", "mistral"] | None = None
     """The tool-call format of a chat template that writes none kiln recognises (Hermes `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`); null: tools on such a version are a 400."""
+    fleet: FleetParams = FleetParams()
+    """Replicas on a Ray cluster (`kiln fleet`)."""
 
 
 PROMETHEUS_DURATION = r"^[0-9]+(ms|s|m|h|d)$"  # one unit: what a rule's `for` and a scrape interval take

@@ -307,6 +307,51 @@ def serve(
         serve_alias(root, _load(params_file), alias, host, port, engine, max_batch, prefix_cache_mib)
 
 
+fleet_app = typer.Typer(cls=KilnGroup, add_completion=False, no_args_is_help=True, help="kiln serve as replicas on a Ray cluster, HAProxy in front.")
+app.add_typer(fleet_app, name="fleet")
+
+
+@fleet_app.command("start", cls=KilnCommand)
+def fleet_start(
+    nodes: Annotated[int, typer.Option(min=1, help="Ray nodes on this machine: a head and nodes - 1 workers")] = 2,
+    cpus_per_node: Annotated[int, typer.Option(min=1, help="CPUs each node offers its replicas")] = 1,
+    port: Annotated[int, typer.Option(help="the head's port (the cluster's address)")] = 6379,
+) -> None:
+    """A Ray cluster on this machine, for a fleet without more machines (elsewhere: `ray start` on each)."""
+    from flows.fleet import start_local_cluster
+
+    with _one_line_errors():
+        address = start_local_cluster(nodes, cpus_per_node, port)
+    render.console.print(f"Ray cluster of {nodes} nodes at {address}: `kiln fleet deploy` serves on it")
+
+
+@fleet_app.command("deploy", cls=KilnCommand)
+def fleet_deploy(
+    params_file: ParamsOption = DEFAULT_PARAMS,
+    alias: Annotated[str | None, typer.Option(help="alias every replica serves and follows (default: serving.alias)")] = None,
+    engine: Annotated[Path | None, typer.Option(help="serve this local engine directory instead (for development)")] = None,
+    address: Annotated[str | None, typer.Option(help="the Ray cluster (default: serving.fleet.address)")] = None,
+) -> None:
+    """Replicas of kiln serve on the Ray cluster (serving.fleet), returning once each serves; writes HAProxy's configuration for its nodes."""
+    from flows.fleet import deploy_fleet
+
+    root = Path.cwd()
+    _prepare_environment(root)
+    with _one_line_errors():
+        deployed = deploy_fleet(root, _load(params_file), alias, engine, address)
+    render.console.print(f"serving on {len(deployed.proxies)} node proxies: {', '.join(deployed.proxies)}")
+    render.console.print(f"HAProxy in front of them: haproxy -f {deployed.haproxy_config}")
+
+
+@fleet_app.command("stop", cls=KilnCommand)
+def fleet_stop(address: Annotated[str, typer.Option(help="the Ray cluster")] = "auto") -> None:
+    """The fleet's replicas drained and stopped, then the Ray processes of this machine."""
+    from flows.fleet import stop_fleet
+
+    with _one_line_errors():
+        stop_fleet(address)
+
+
 bench_app = typer.Typer(
     cls=KilnGroup,
     add_completion=False,
