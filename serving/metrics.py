@@ -17,6 +17,7 @@ from serving.scheduler import Turn
 from serving.series import DECODED_ROWS, GENERATED_TOKENS, PROMPT_TOKENS, QUEUE_DEPTH, RUNNING_BATCH
 
 # Request times on a 2-core CPU run from milliseconds (one token) to seconds (a long stream).
+REQUEST_OUTCOMES = ("ok", "cancelled", "bad_request", "unauthorized", "rejected_busy", "error")
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -41,6 +42,10 @@ class ServerMetrics:
         self.generated_tokens = Counter(*GENERATED_TOKENS, registry=r)
         self.prompt_tokens = Counter(*PROMPT_TOKENS, registry=r)
         self.requests = Counter("kiln_requests_total", "Completion requests by outcome.", ["outcome"], registry=r)
+        # Each outcome's series from 0 at start: a rate or increase over a window needs two
+        # samples, and a series born at its first request has none before it.
+        for outcome in REQUEST_OUTCOMES:
+            self.requests.labels(outcome)
         self.queue_depth = Gauge(*QUEUE_DEPTH, registry=r)
         self.running_batch = Gauge(*RUNNING_BATCH, registry=r)
         # Batching at work: decoded rows over decode steps is the mean batch a step served.
