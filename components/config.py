@@ -714,6 +714,43 @@ class ServingParams(_Section):
     """Replicas on a Ray cluster (`kiln fleet`)."""
 
 
+class CanaryParams(_Section):
+    """`kiln promote --canary`: a version through traffic steps on the fleet, each checked
+    against live Prometheus (Flagger's analysis, with its field names)."""
+
+    interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$")
+    """How long each step is held before its check (Flagger's `interval`)."""
+    threshold: int = Field(2, ge=1)
+    """Failed checks before the canary is rolled back."""
+    stepWeight: int = Field(10, ge=1, le=100)  # noqa: N815 (Flagger's name)
+    """The canary's share grows by this many percent a step."""
+    maxWeight: int = Field(50, ge=1, le=100)  # noqa: N815
+    """The last step's share; after it passes, the version becomes champion (all traffic)."""
+    stepWeights: list[int] | None = None  # noqa: N815
+    """Explicit shares instead of stepWeight/maxWeight, e.g. [10, 25, 50]."""
+    min_success_rate: float = Field(99.0, ge=0, le=100)
+    """Percent of the canary's requests that must not fail (5xx, refused busy)."""
+    max_p99_ms: float = Field(5000.0, gt=0)
+    """Budget for the canary's p99 request duration."""
+    max_p99_ratio: float = Field(1.2, gt=0)
+    """The canary's p99 may be at most this times the stable version's over the same interval."""
+    replicas: int = Field(1, ge=1)
+    """Replicas of the canary version while it is on trial."""
+    prometheus_url: str = "http://127.0.0.1:9090"
+    """The Prometheus that scrapes the fleet (`kiln fleet deploy` writes its scrape configuration)."""
+
+    @property
+    def weights(self) -> tuple[int, ...]:
+        if self.stepWeights:
+            return tuple(self.stepWeights)
+        return tuple(range(self.stepWeight, self.maxWeight, self.stepWeight)) + (self.maxWeight,)
+
+    @property
+    def interval_s(self) -> float:
+        number, unit = float(self.interval.rstrip("mshd")), self.interval.lstrip("0123456789")
+        return number * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
 PROMETHEUS_DURATION = r"^[0-9]+(ms|s|m|h|d)$"  # one unit: what a rule's `for` and a scrape interval take
 
 
@@ -824,6 +861,8 @@ class Params(_Section):
     """The sample completion a run prints."""
     serving: ServingParams = ServingParams()
     """`kiln serve`."""
+    canary: CanaryParams = CanaryParams()
+    """`kiln promote --canary`: a version through traffic steps on the fleet."""
     triggers: TriggerParams = TriggerParams()
     """`kiln deploy`: what starts a rebuild by itself."""
     pool: PoolParams = PoolParams()

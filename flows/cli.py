@@ -239,17 +239,42 @@ def promote(
     version: Annotated[str | None, typer.Option(help="a version number instead of --from-alias")] = None,
     force: Annotated[bool, typer.Option(help="promote a version whose gates failed (needs --reason; recorded on the version)")] = False,
     reason: Annotated[str, typer.Option(help="why: recorded with who and when")] = "",
+    canary: Annotated[bool, typer.Option(help="on the fleet: through canary's traffic steps first, checked on live Prometheus; champion moves only if every step passes")] = False,
 ) -> None:
     """Move an alias (default: champion to the current challenger); the move is recorded."""
     from flows.environment import person
     from registry import promote as promote_version
     from registry import tags
 
+    if canary:
+        return _promote_canary(params_file, alias, from_alias, version, force)
     with _one_line_errors():
         target = _registry(params_file)
         info = promote_version(target, alias, from_alias, version, by=person(), reason=reason, force=force)
     forced = " [yellow](gates failed: forced, reason recorded)[/]" if info.tags.get(tags.GATES_PASSED) != tags.TRUE else ""
     render.console.print(f"{info.name}@{alias} → version {info.version}{forced}")
+
+
+def _promote_canary(params_file: Path, alias: str, from_alias: str, version: str | None, force: bool) -> None:
+    from flows.canary import CanaryRun, canary_promotion
+    from flows.environment import person
+    from registry import CHAMPION, alias_version
+    from serving.canary import PROMOTED
+
+    if force or alias != CHAMPION:
+        _fail(KilnError(f"--canary promotes to {CHAMPION} a version that passed its gates: leave out --force and --alias"))
+    root = Path.cwd()
+    with _one_line_errors():
+        target, params = _registry(params_file), _load(params_file)
+        named = version or getattr(alias_version(target, from_alias), "version", None)
+        if named is None:
+            raise KilnError(f"{target.model_name}@{from_alias} names no version: pass --version N")
+        outcome = canary_promotion(params, CanaryRun(root, named, person(), params.serving.fleet.address))
+    for step in outcome.steps:
+        render.console.print(f"  step {step.step}: {step.weight} % → {'passed' if step.passed else '; '.join(step.failures)}")
+    render.console.print(f"version {outcome.version}: {outcome.outcome} ({outcome.reason})")
+    if outcome.outcome != PROMOTED:
+        raise typer.Exit(1)
 
 
 @app.command(cls=KilnCommand)
@@ -341,6 +366,7 @@ def fleet_deploy(
         deployed = deploy_fleet(root, _load(params_file), alias, engine, address)
     render.console.print(f"serving on {len(deployed.proxies)} node proxies: {', '.join(deployed.proxies)}")
     render.console.print(f"HAProxy in front of them: haproxy -f {deployed.haproxy_config}")
+    render.console.print(f"Prometheus scraping every replica: prometheus --config.file={deployed.prometheus_config}")
 
 
 @fleet_app.command("stop", cls=KilnCommand)

@@ -30,6 +30,7 @@ class FleetError(KilnError):
 class Deployed:
     proxies: list[str]  # host:port of each node's Serve proxy
     haproxy_config: Path
+    prometheus_config: Path
 
 
 def fleet_options(config: FleetParams):
@@ -45,20 +46,47 @@ def deploy_fleet(root: Path, params: Params, alias: str | None, engine: Path | N
     """Deploy `kiln serve`'s app to the cluster (replacing what is there), wait until every
     replica serves, and write HAProxy's configuration for the cluster's nodes."""
     from serving.fleet import deploy, node_proxies
-    from serving.haproxy import haproxy_config
+    from serving.haproxy import write_haproxy_config
 
     config = params.serving.fleet
-    source, settings = engine_source(root, params, alias, engine), server_settings(root, params, engine is not None)
+    source, settings = engine_source(root, params, alias, engine), server_settings(root, params, follows_alias=engine is None)
     try:
         deploy(source, settings, fleet_options(config), address or config.address)
     except (ConnectionError, RuntimeError) as err:  # Ray's own: no cluster there, or replicas that never became healthy
         raise FleetError(f"the fleet could not be deployed on the Ray cluster at {address or config.address}: {err}") from err
     proxies = node_proxies(config.port)
-    folder = Workspace(root).state / "fleet"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "haproxy.cfg"
-    path.write_text(haproxy_config(proxies, config.haproxy_port, folder / "haproxy.sock"))
-    return Deployed([p.address for p in proxies], path)
+    files = fleet_haproxy(root)
+    write_haproxy_config(proxies, config.haproxy_port, files)
+    prometheus = files.folder / "prometheus.yml"
+    # Scrapes four to a canary's interval at least: its checks read increases over one interval.
+    scrape_s = max(1, min(5, int(params.canary.interval_s // 4)))
+    prometheus.write_text(prometheus_config([p.address for p in proxies], f"127.0.0.1:{config.haproxy_port}", f"{scrape_s}s"))
+    return Deployed([p.address for p in proxies], files.config, prometheus)
+
+
+def fleet_haproxy(root: Path):
+    from serving.haproxy import HAProxyFiles
+
+    return HAProxyFiles(Workspace(root).state / "fleet")
+
+
+def prometheus_config(proxies: list[str], haproxy: str, scrape_interval: str = "5s") -> str:
+    """A Prometheus configuration scraping every replica (found through each node proxy's
+    /fleet/targets: replica, app, version, node labels on every series) and HAProxy."""
+    discovery = "\n".join(f"      - url: http://{proxy}/fleet/targets\n        refresh_interval: 5s" for proxy in proxies)
+    return f"""# Made by `kiln fleet deploy`: prometheus --config.file=THIS
+global:
+  scrape_interval: {scrape_interval}
+  evaluation_interval: {scrape_interval}
+scrape_configs:
+  - job_name: kiln-replicas
+    http_sd_configs:
+{discovery}
+  - job_name: haproxy
+    metrics_path: /haproxy/metrics
+    static_configs:
+      - targets: ["{haproxy}"]
+"""
 
 
 def start_local_cluster(nodes: int, cpus_per_node: int, port: int = 6379) -> str:

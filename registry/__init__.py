@@ -3,7 +3,7 @@ that imports mlflow; of kiln's components it knows only contracts: errors, files
 engine directory."""
 
 from registry.lineage import VersionLineage, version_lineage
-from registry.promotion import AliasMove, alias_history, promote, rollback
+from registry.promotion import AliasMove, alias_history, check_promotable, promote, rollback
 from registry.records import DatasetRecord, Registration, RegistryTarget, RunLink, RunRecord, Signing, VersionInfo
 from registry.store import (
     CHALLENGER,
@@ -16,6 +16,7 @@ from registry.store import (
     find_version,
     get_version,
     log_training,
+    log_version_report,
     preflight,
     register_alias_webhook,
     register_engine,
@@ -39,6 +40,7 @@ __all__ = [
     "VersionInfo",
     "VersionLineage",
     "add_signature",
+    "check_promotable",
     "alias_history",
     "alias_version",
     "aliases_of",
@@ -47,6 +49,7 @@ __all__ = [
     "find_version",
     "get_version",
     "log_training",
+    "log_version_report",
     "preflight",
     "promote",
     "register_alias_webhook",

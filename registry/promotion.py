@@ -61,8 +61,7 @@ def promote(
     if force and not (by and reason.strip()):
         raise RegistryError("forcing a promotion needs a reason (--reason TEXT): it is recorded on the version with who and when")
     info = _version_to_move(target, from_alias) if version is None else get_version(target, version)
-    forced = _check_or_force(info, force)
-    verify_download(info, lambda destination: download_version(target, info.version, destination), target.signing)
+    forced = _checked(target, info, force)
     client = _client(target)
     with store_lock(target):
         previous = _version_of(alias_version(target, to_alias))
@@ -77,6 +76,22 @@ def promote(
             _restore_alias(client, target, to_alias, previous)
             raise
     return _version_info(client, target.model_name, info.version)
+
+
+def check_promotable(target: RegistryTarget, version: str) -> VersionInfo:
+    """The version, when `promote` would move an alias to it (gates passed, artifacts that
+    match their tags and signature); VersionRefused or RegistryError naming the check
+    otherwise. A canary checks it before the version gets any traffic."""
+    info = get_version(target, version)
+    _checked(target, info, force=False)
+    return info
+
+
+def _checked(target: RegistryTarget, info: VersionInfo, force: bool) -> bool:
+    """`promote`'s checks; True when the version's gates failed and `force` overrides them."""
+    forced = _check_or_force(info, force)
+    verify_download(info, lambda destination: download_version(target, info.version, destination), target.signing)
+    return forced
 
 
 def _version_to_move(target: RegistryTarget, from_alias: str) -> VersionInfo:

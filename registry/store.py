@@ -436,6 +436,19 @@ def tag_version(target: RegistryTarget, version: str, tags: dict[str, str]) -> V
         raise RegistryError(f"cannot tag {target.model_name} version {version}: {err.message}") from err
 
 
+def log_version_report(target: RegistryTarget, version: str, path: str, report: dict) -> None:
+    """A JSON report (a canary's steps, say) among the artifacts of the run that registered
+    the version, at `path` (`canary/3.json`); the version's engine is not touched."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(target)
+    try:
+        run_id = client.get_model_version(target.model_name, version).run_id
+        client.log_dict(run_id, report, path)
+    except MlflowException as err:
+        raise RegistryError(f"cannot record {path} on {target.model_name} version {version}: {err.message}") from err
+
+
 def add_signature(target: RegistryTarget, version: str, signature: Path, signed_by: str) -> VersionInfo:
     """Put a signature beside a registered version's engine (into its run's `engine/`
     artifacts, which are the version's source) and record its key: `kiln keys sign-existing`."""

@@ -3,11 +3,15 @@ API, /metrics) as a Ray Serve deployment, so that Ray places them on the nodes, 
 health, restarts them and rolls them; each node's Serve proxy takes the clients (HAProxy in
 front of the proxies: serving.haproxy).
 
-Every replica follows the source as `kiln serve` does, pulling into its node's cache (shared
-by the node's replicas under the loader's lock) and verifying the signature itself. Each
-also serves its own /metrics on a port of its node, listed by a directory actor at
-`/fleet/targets` in the form of Prometheus' HTTP service discovery: a scrape of /metrics
-through a proxy would reach whichever replica the proxy picked.
+Two applications at most: `stable` at `/`, following the alias as `kiln serve` does, and,
+while a version is on trial, `canary` at `/canary`, serving that one version (HAProxy sends
+it its share of the clients: open-source Serve splits no traffic).
+
+Every replica pulls into its node's cache (shared by the node's replicas under the loader's
+lock) and verifies the signature itself. Each also serves its own /metrics on a port of its
+node, listed by a directory actor at `/fleet/targets` in the form of Prometheus' HTTP
+service discovery, labelled with its application and the version it serves: a scrape of
+/metrics through a proxy would reach whichever replica the proxy picked.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from dataclasses import dataclass, replace
 
 from serving.app import ServerSettings, create_app
 from serving.haproxy import NodeProxy
-from serving.sources import AliasSource, EngineSource
+from serving.sources import AliasSource, EngineSource, VersionSource
 
 log = logging.getLogger("kiln.serving")
-APP_NAME = "kiln"
+STABLE, CANARY = "stable", "canary"
+ROUTE_PREFIX = {STABLE: "/", CANARY: "/canary"}
 DIRECTORY = "kiln-fleet-directory"  # the named actor that lists the replicas' /metrics
 STALE_AFTER_S = 30.0  # a replica re-registers at each health check (every 10 s)
 
@@ -44,15 +49,21 @@ class Replica:
     """One replica as the directory lists it."""
 
     replica_id: str
+    app: str  # STABLE or CANARY
+    version: str  # what it serves now ("" while it loads)
     node: str  # the node's IP address
     node_id: str  # Ray's (nodes on one machine share an address)
     metrics: str  # host:port of its own /metrics
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"replica": self.replica_id, "app": self.app, "version": self.version, "node": self.node, "node_id": self.node_id}
 
 
 def _replica_source(source: EngineSource, node: str) -> EngineSource:
     """The source as a replica pulls it: into its node's cache (one per node, so that
     replicas of several nodes sharing a disk still verify each their own copy)."""
-    if isinstance(source, AliasSource):
+    if isinstance(source, AliasSource | VersionSource):
         return replace(source, cache_root=source.cache_root / f"node-{node}")
     return source
 
@@ -65,8 +76,9 @@ class KilnReplica:
         import ray
         from ray import serve
 
+        context = serve.get_replica_context()
+        self.app_name, self.replica_id = context.app_name, context.replica_id.unique_id
         self.node, self.node_id = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.source, self.settings = _replica_source(source, self.node), settings
 
     def __serve_build_asgi_app__(self):
@@ -79,7 +91,7 @@ class KilnReplica:
         @self.kiln_app.get("/fleet/targets", include_in_schema=False)
         async def targets() -> list[dict]:
             """Every live replica's /metrics, as Prometheus' http_sd_configs read them."""
-            return [{"targets": [r.metrics], "labels": {"replica": r.replica_id, "node": r.node, "node_id": r.node_id}} for r in await _directory().replicas.remote()]
+            return [{"targets": [r.metrics], "labels": r.labels} for r in await _directory().replicas.remote()]
 
         return self.kiln_app
 
@@ -92,7 +104,9 @@ class KilnReplica:
         self._register()
 
     def _register(self) -> None:
-        _directory().register.remote(Replica(self.replica_id, self.node, self.node_id, f"{self.node}:{self._metrics_server.server_port}"))
+        current = self.kiln_app.state.follower.current
+        metrics = f"{self.node}:{self._metrics_server.server_port}"
+        _directory().register.remote(Replica(self.replica_id, self.app_name, current.version if current else "", self.node, self.node_id, metrics))
 
     def __del__(self) -> None:  # Ray Serve's graceful shutdown of a replica
         try:
@@ -116,7 +130,7 @@ class FleetDirectory:
     def replicas(self) -> list[Replica]:
         now = time.monotonic()
         self._seen = {k: (r, t) for k, (r, t) in self._seen.items() if now - t < STALE_AFTER_S}
-        return sorted((r for r, _ in self._seen.values()), key=lambda r: (r.node, r.replica_id))
+        return sorted((r for r, _ in self._seen.values()), key=lambda r: (r.app, r.node, r.replica_id))
 
 
 def _directory():
@@ -125,18 +139,23 @@ def _directory():
     return ray.remote(FleetDirectory).options(name=DIRECTORY, namespace="serve", lifetime="detached", get_if_exists=True, num_cpus=0).remote()
 
 
-def deploy(source: EngineSource, settings: ServerSettings, options: FleetOptions, address: str = "auto") -> None:
-    """kiln's app on the Ray cluster at `address` (its Serve proxies on `options.port` of
-    every node), replacing what was deployed there; returns once every replica serves,
-    else raises with what Ray says went wrong."""
+def connect(address: str = "auto") -> None:
     import ray
-    from ray import serve
 
     ray.init(address=address, namespace="serve", logging_level=logging.WARNING, log_to_driver=False, ignore_reinit_error=True)
+
+
+def deploy(source: EngineSource, settings: ServerSettings, options: FleetOptions, address: str = "auto", app: str = STABLE) -> None:
+    """kiln's app as application `app` (STABLE at /, CANARY at /canary) on the Ray cluster at
+    `address`, its Serve proxies on `options.port` of every node, replacing what that
+    application ran; returns once every replica serves, else raises with what Ray says."""
+    from ray import serve
+
+    connect(address)
     serve.start(proxy_location="EveryNode", http_options={"host": options.host, "port": options.port})
     deployment = serve.deployment(
         serve.ingress()(KilnReplica),
-        name=APP_NAME,
+        name="kiln",
         num_replicas=options.replicas,
         max_ongoing_requests=options.max_ongoing_requests,
         max_replicas_per_node=options.max_replicas_per_node,
@@ -144,7 +163,23 @@ def deploy(source: EngineSource, settings: ServerSettings, options: FleetOptions
         health_check_period_s=10,
         graceful_shutdown_timeout_s=60,  # streams finish before a replica goes
     )
-    serve.run(deployment.bind(source, settings), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(deployment.bind(source, settings), name=app, route_prefix=ROUTE_PREFIX[app], blocking=False)
+
+
+def remove(app: str, address: str = "auto") -> None:
+    """Application `app` deleted, each replica finishing the streams it holds first."""
+    from ray import serve
+
+    connect(address)
+    serve.delete(app, _blocking=True)
+
+
+def replicas(address: str = "auto") -> list[Replica]:
+    """The replicas registered now, stable ones first."""
+    import ray
+
+    connect(address)
+    return ray.get(_directory().replicas.remote())
 
 
 def node_proxies(port: int) -> list[NodeProxy]:
@@ -157,9 +192,8 @@ def node_proxies(port: int) -> list[NodeProxy]:
 
 
 def shutdown(address: str = "auto") -> None:
-    """The fleet's deployment and proxies stopped (each replica finishing its streams first)."""
-    import ray
+    """The fleet's applications and proxies stopped (each replica finishing its streams first)."""
     from ray import serve
 
-    ray.init(address=address, namespace="serve", logging_level=logging.WARNING, log_to_driver=False, ignore_reinit_error=True)
+    connect(address)
     serve.shutdown()

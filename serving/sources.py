@@ -10,7 +10,7 @@ from typing import Protocol
 
 from components.engine_dir import EngineDir, load_engine_dir
 from components.errors import EngineError, RegistryError, VersionRefused
-from registry import RegistryTarget, VersionInfo, resolve_alias, tags
+from registry import RegistryTarget, VersionInfo, get_version, resolve_alias, tags
 from serving.loader import PulledVersion, prune, pull
 
 
@@ -48,6 +48,34 @@ class AliasSource:
 
     def resolve(self) -> VersionInfo:
         return resolve_alias(self.target, self.alias)
+
+    def pull(self, info: VersionInfo) -> PulledVersion:
+        return pull(info, self.target, self.cache_root)
+
+    def forget(self, in_use: set[str]) -> None:
+        prune(self.cache_root, self.target.model_name, self.keep_versions, in_use)
+
+
+@dataclass(frozen=True)
+class VersionSource:
+    """One registered version, whatever the aliases say (a canary's), pulled and verified as
+    an alias's version is."""
+
+    target: RegistryTarget
+    version: str
+    cache_root: Path
+    keep_versions: int = 3
+    alias: None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.target.model_name
+
+    def describe(self) -> str:
+        return f"models:/{self.target.model_name}/{self.version}"
+
+    def resolve(self) -> VersionInfo:
+        return get_version(self.target, self.version)
 
     def pull(self, info: VersionInfo) -> PulledVersion:
         return pull(info, self.target, self.cache_root)

@@ -1,6 +1,7 @@
-"""`kiln fleet`: kiln serve's replicas on a real Ray cluster of two nodes (both on this
-machine, each its own raylet), Debian's HAProxy in front of the nodes' Serve proxies, a real
-MLflow store with a signed champion that every replica pulls and verifies itself.
+"""`kiln fleet` and `kiln promote --canary`: kiln serve's replicas on a real Ray cluster of two
+nodes (both on this machine, each its own raylet), Debian's HAProxy in front of the nodes'
+Serve proxies and Debian's Prometheus scraping every replica, all with the configurations
+kiln wrote; a real MLflow store whose signed versions every replica pulls and verifies.
 """
 
 from __future__ import annotations
@@ -8,33 +9,41 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
+import time
 from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from openai import OpenAI
+from prefect.testing.utilities import prefect_test_harness
 from prometheus_client.parser import text_string_to_metric_families
 
+from components.config import CanaryParams, FleetParams, RegistryParams, ServingParams
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
-from registry import CHAMPION, RegistryTarget, promote, register_engine
-from serving.app import VERSION_HEADER, ServerSettings
-from serving.haproxy import NodeProxy, haproxy_config
-from serving.sources import AliasSource
+from registry import CHAMPION, alias_version, get_version, promote, register_engine, registry_target
+from serving.app import VERSION_HEADER
+from serving.haproxy import HAProxyFiles, NodeProxy, canary_weight, haproxy_config
 
-from .conftest import SIGNING, new_mlflow_store
-from .live_server import free_port
+from .conftest import build_engine, tiny_params
+from .live_server import free_port, server_process
 from .test_registry import record
 
 MODEL = "kiln-fleet"
 HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
+PROMETHEUS = shutil.which("prometheus")
 needs_haproxy = pytest.mark.skipif(HAPROXY is None, reason="HAProxy is not installed (Debian's package haproxy; .ci/run installs it)")
+needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="Prometheus is not installed (Debian's package prometheus; .ci/run installs it)")
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes of one CPU each: one replica fits each node."""
+    """Two Ray nodes of one CPU each, replicas reserving half a CPU: the stable replicas
+    spread one a node, with room for a canary's beside them."""
     import ray
 
     from flows.fleet import start_local_cluster, stop_fleet
@@ -48,44 +57,48 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster, engine_dir, tmp_path_factory):
-    from serving.fleet import FleetOptions, deploy
+def fleet(cluster, project, params, tiny_model, exported, data_version, engine_dir, tmp_path_factory):
+    """A project whose champion (the fp32 engine) `kiln fleet deploy` put on 2 replicas, and
+    an int8 engine registered beside it for a canary."""
+    from flows.fleet import deploy_fleet
 
     root = tmp_path_factory.mktemp("fleet")
-    target = RegistryTarget(new_mlflow_store(root / "mlflow.db"), MODEL, MODEL, root / "artifacts", SIGNING)
-    version = register_engine(target, engine_dir.path, engine_dir.sha256, record()).version
-    promote(target, CHAMPION, version=version)
-    options = FleetOptions(replicas=2, cpus_per_replica=1, max_replicas_per_node=1, port=free_port())
-    deploy(AliasSource(target, CHAMPION, root / "cache"), ServerSettings(poll_interval_s=0, max_tokens=64), options, cluster)
-    return SimpleNamespace(root=root, version=version, options=options, url=f"http://127.0.0.1:{options.port}")
+    project_params = params
+    params = tiny_params(
+        root,
+        registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name=MODEL),
+        serving=ServingParams(poll_interval_s=1, max_tokens=64, fleet=FleetParams(address=cluster, replicas=2, cpus_per_replica=0.5, max_replicas_per_node=1, port=free_port(), haproxy_port=free_port())),
+        canary=CanaryParams(interval="8s", threshold=2, stepWeights=[10, 50], max_p99_ms=5000, max_p99_ratio=1.5),
+    )
+    target = registry_target(params.registry, root)
+    stable = register_engine(target, engine_dir.path, engine_dir.sha256, record()).version
+    int8 = build_engine(project, project_params, tiny_model, exported, data_version, "int8")
+    good = register_engine(target, int8.path, int8.sha256, record()).version
+    promote(target, CHAMPION, version=stable)
+    deployed = deploy_fleet(root, params, None, None)
+    return SimpleNamespace(root=root, params=params, target=target, stable=stable, good=good, deployed=deployed, url=f"http://{deployed.proxies[0]}")
 
 
 @pytest.fixture(scope="module")
-def haproxy(fleet, tmp_path_factory):
-    """HAProxy run with the configuration kiln made for the cluster's nodes."""
-    import time
-
-    from serving.fleet import node_proxies
-
-    folder, port = tmp_path_factory.mktemp("haproxy"), free_port()
-    config = folder / "haproxy.cfg"
-    config.write_text(haproxy_config(node_proxies(fleet.options.port), port, folder / "admin.sock", listen_host="127.0.0.1"))
-    process = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not _ready(url):  # its first health checks pass within a few seconds
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read() if process.poll() is not None else "HAProxy never passed a node"
-        time.sleep(0.2)
-    yield url
-    process.terminate()
-    process.wait(10)
+def haproxy(fleet):
+    """HAProxy run with the configuration `kiln fleet deploy` wrote."""
+    if HAPROXY is None:
+        pytest.skip("HAProxy is not installed (Debian's package haproxy; .ci/run installs it)")
+    files = HAProxyFiles(fleet.deployed.haproxy_config.parent)
+    url = f"http://127.0.0.1:{fleet.params.serving.fleet.haproxy_port}"
+    with server_process("haproxy", [HAPROXY, "-db", "-f", str(files.config)], fleet.root / "haproxy.log", url, "/readyz", 30):
+        yield SimpleNamespace(url=url, files=files)
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+@pytest.fixture(scope="module")
+def prometheus(fleet, haproxy):
+    """Prometheus run with the scrape configuration `kiln fleet deploy` wrote."""
+    if PROMETHEUS is None:
+        pytest.skip("Prometheus is not installed (Debian's package prometheus; .ci/run installs it)")
+    port = free_port()
+    command = [PROMETHEUS, f"--config.file={fleet.deployed.prometheus_config}", f"--storage.tsdb.path={fleet.root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
+    with server_process("prometheus", command, fleet.root / "prometheus.log", f"http://127.0.0.1:{port}", "/-/ready", 60) as url:
+        yield url
 
 
 def replica_metrics(fleet) -> dict[str, dict[str, float]]:
@@ -105,7 +118,7 @@ def replica_metrics(fleet) -> dict[str, dict[str, float]]:
 def test_two_replicas_serve_on_two_nodes_each_listing_its_own_metrics_for_prometheus(fleet):
     targets = httpx.get(f"{fleet.url}/fleet/targets", timeout=10).json()
     assert len(targets) == 2 and len({t["labels"]["node_id"] for t in targets}) == 2  # spread: one a node
-    assert all(set(t["labels"]) == {"replica", "node", "node_id"} for t in targets)
+    assert {t["labels"]["app"] for t in targets} == {"stable"}
     for metrics in replica_metrics(fleet).values():
         assert metrics["kiln_ready"] == 1.0
 
@@ -113,26 +126,216 @@ def test_two_replicas_serve_on_two_nodes_each_listing_its_own_metrics_for_promet
 @needs_haproxy
 def test_clients_through_haproxy_get_the_champions_greedy_answers_from_both_replicas(fleet, haproxy, engine, engine_dir):
     tokenizer = EngineTokenizer(engine_dir.path)
-    client = OpenAI(base_url=f"{haproxy}/v1", api_key="none", max_retries=0)
-    before = {replica: m.get('kiln_requests_total{"outcome": "ok"}', 0.0) for replica, m in replica_metrics(fleet).items()}
+    client = OpenAI(base_url=f"{haproxy.url}/v1", api_key="none", max_retries=0)
+    ok = 'kiln_requests_total{"outcome": "ok"}'
+    before = {replica: m.get(ok, 0.0) for replica, m in replica_metrics(fleet).items()}
     prompts = [f"The list {i}" for i in range(16)]
     for prompt in prompts:
         raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
-        assert raw.headers[VERSION_HEADER] == fleet.version
+        assert raw.headers[VERSION_HEADER] == fleet.stable
         expected = engine.generate([tokenizer.encode(prompt)], Sampling(max_new_tokens=6))[0]
         assert raw.parse().choices[0].text == tokenizer.decode(expected)
     streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=6, temperature=0, stream=True))
     assert streamed == tokenizer.decode(engine.generate([tokenizer.encode(prompts[0])], Sampling(max_new_tokens=6))[0])
-    served = Counter({replica: m.get('kiln_requests_total{"outcome": "ok"}', 0.0) - before[replica] for replica, m in replica_metrics(fleet).items()})
+    served = Counter({replica: m.get(ok, 0.0) - before[replica] for replica, m in replica_metrics(fleet).items()})
     assert sum(served.values()) == 17 and all(n > 0 for n in served.values()), served  # all 16 on one replica: 2**-15
 
 
+@dataclass(frozen=True)
+class Answer:
+    started: float  # time.time()
+    status: int
+    version: str
+
+
+class SteadyClients:
+    """Clients streaming completions through HAProxy the whole time, one after another,
+    logging each request's status and the version that served it."""
+
+    def __init__(self, url: str, clients: int = 3) -> None:
+        self.url, self.log, self._stop = url, [], threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> SteadyClients:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _loop(self, index: int) -> None:
+        body = {"model": MODEL, "prompt": f"The list {index}", "max_tokens": 8, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                started = time.time()
+                try:
+                    with client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+                        complete = any(line == "data: [DONE]" for line in response.iter_lines())
+                        status = response.status_code if complete or response.status_code != 200 else 599  # a stream cut short
+                        self.log.append(Answer(started, status, response.headers.get(VERSION_HEADER, "")))
+                except httpx.TransportError:
+                    self.log.append(Answer(started, 0, ""))
+
+
+@needs_haproxy
+@needs_prometheus
+def test_a_canary_that_passes_every_step_becomes_champion_and_gets_its_share_of_requests_meanwhile(fleet, haproxy, prometheus):
+    from flows.canary import CanaryRun, canary_promotion
+    from serving.canary import PROMOTED
+
+    params = fleet.params.model_copy(update={"canary": fleet.params.canary.model_copy(update={"prometheus_url": prometheus})})
+    with prefect_test_harness(server_startup_timeout=120), SteadyClients(haproxy.url) as clients:
+        time.sleep(3)  # stable traffic in Prometheus before the canary's first interval
+        outcome = canary_promotion(params, CanaryRun(fleet.root, fleet.good, "tests", fleet.params.serving.fleet.address))
+        time.sleep(2)
+    assert outcome.outcome == PROMOTED, outcome
+    assert [s.weight for s in outcome.steps] == [10, 50] and all(s.passed for s in outcome.steps), outcome.steps
+    assert alias_version(fleet.target, CHAMPION).version == fleet.good
+    assert canary_weight(haproxy.files) == 0
+    assert all(a.status == 200 for a in clients.log), Counter(a.status for a in clients.log)  # no request lost to the steps, promotion or drain
+    assert clients.log[-1].version == fleet.good
+    first = outcome.steps[0]
+    checked = datetime.fromisoformat(first.at).timestamp()
+    during = [a for a in clients.log if checked - params.canary.interval_s + 1 < a.started < checked - 1]
+    canary = sum(a.version == fleet.good for a in during)
+    from scipy.stats import binomtest
+
+    assert binomtest(canary, len(during), 0.10).pvalue > 1e-3, (canary, len(during))
+    tags = get_version(fleet.target, fleet.good).tags
+    assert tags["canary.outcome"] == PROMOTED and json.loads(tags["canary.step.1"])["weight"] == 10
+
+
+@pytest.fixture(scope="module")
+def slow_engine(project, params, tiny_model, data_version, tmp_path_factory):
+    """A real engine that serves many times slower than the tiny one: GPT-2-small's layers
+    (12 × 768, random weights) over the tiny model's tokenizer, exported and built as any."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from components.export import onnx_from_model
+    from components.model_dir import model_from_directory
+
+    folder = tmp_path_factory.mktemp("slow-model")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=params.model.tokenizer.vocab_size, n_positions=128, n_embd=768, n_layer=12, n_head=12)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (tiny_model.path / name).is_file():
+            shutil.copy(tiny_model.path / name, folder / name)
+    model = model_from_directory(folder)
+    onnx = onnx_from_model(model, params.export, tmp_path_factory.mktemp("slow-onnx"))
+    return build_engine(project, params, model, onnx, data_version, "fp32")
+
+
+@pytest.fixture(scope="module")
+def int4_engine(project, params, tiny_model, exported, data_version):
+    return build_engine(project, params, tiny_model, exported, data_version, "int4")
+
+
+def canary_of(fleet, version: str, prometheus: str):
+    from flows.canary import CanaryRun, canary_promotion
+
+    params = fleet.params.model_copy(update={"canary": fleet.params.canary.model_copy(update={"prometheus_url": prometheus})})
+    return canary_promotion(params, CanaryRun(fleet.root, version, "tests", fleet.params.serving.fleet.address)), params
+
+
+@needs_haproxy
+@needs_prometheus
+def test_a_canary_many_times_slower_is_rolled_back_within_threshold_intervals_and_the_champion_stays(fleet, haproxy, prometheus, slow_engine):
+    from serving.canary import ROLLED_BACK
+
+    slow = register_engine(fleet.target, slow_engine.path, slow_engine.sha256, record()).version  # signed, its gates passed
+    champion = alias_version(fleet.target, CHAMPION).version
+    with prefect_test_harness(server_startup_timeout=120), SteadyClients(haproxy.url) as clients:
+        time.sleep(3)
+        outcome, params = canary_of(fleet, slow, prometheus)
+        time.sleep(2)
+    assert outcome.outcome == ROLLED_BACK, outcome
+    assert len(outcome.steps) == params.canary.threshold and all(not s.passed for s in outcome.steps), outcome.steps
+    breach = outcome.steps[-1]
+    assert breach.p99_ms >= 5 * breach.stable_p99_ms and any("stable version's" in f for f in breach.failures), breach  # it is that slow, and that was the reason
+    assert alias_version(fleet.target, CHAMPION).version == champion and canary_weight(haproxy.files) == 0
+    served_slow = [a.started for a in clients.log if a.version == slow]
+    assert served_slow and max(served_slow) - min(served_slow) <= params.canary.threshold * params.canary.interval_s + 2
+    assert all(a.status == 200 for a in clients.log), Counter(a.status for a in clients.log)
+    assert clients.log[-1].version == champion
+    tags = get_version(fleet.target, slow).tags
+    assert tags["canary.outcome"] == ROLLED_BACK and "p99" in tags["canary.reason"]
+
+
+@needs_haproxy
+@needs_prometheus
+def test_a_version_whose_gates_failed_gets_no_traffic_from_a_canary(fleet, haproxy, prometheus, int4_engine):
+    from components.errors import VersionRefused
+    from serving.fleet import replicas
+
+    failed = register_engine(fleet.target, int4_engine.path, int4_engine.sha256, record(passed=False)).version
+    with prefect_test_harness(server_startup_timeout=120), pytest.raises(VersionRefused, match="gates"):
+        canary_of(fleet, failed, prometheus)
+    assert {r.app for r in replicas(fleet.params.serving.fleet.address)} == {"stable"} and canary_weight(haproxy.files) == 0
+    assert "canary.outcome" not in get_version(fleet.target, failed).tags
+
+
 def test_haproxy_config_checks_every_node_on_readyz_and_refuses_no_nodes(tmp_path):
-    config = haproxy_config([NodeProxy("node1", "10.0.0.1:8200"), NodeProxy("node2", "10.0.0.2:8200")], 8300, tmp_path / "admin.sock")
-    assert "option httpchk GET /readyz" in config and "balance leastconn" in config
-    assert "server node1 10.0.0.1:8200 check" in config and "server node2 10.0.0.2:8200 check" in config
+    files = HAProxyFiles(tmp_path)
+    config = haproxy_config([NodeProxy("node1", "10.0.0.1:8200"), NodeProxy("node2", "10.0.0.2:8200")], 8300, files)
+    assert "option httpchk GET /readyz" in config and "option httpchk GET /canary/readyz" in config
+    assert config.count("server node1 10.0.0.1:8200 check") == 2 and config.count("server node2 10.0.0.2:8200 check") == 2
     if HAPROXY:
-        checked = subprocess.run([HAPROXY, "-c", "-f", "/dev/stdin"], input=config, capture_output=True, text=True)
+        files.weights.write_text("canary 0\n")
+        (tmp_path / "haproxy.cfg").write_text(config)
+        checked = subprocess.run([HAPROXY, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
         assert checked.returncode == 0, checked.stdout + checked.stderr
     with pytest.raises(ValueError, match="at least one node"):
-        haproxy_config([], 8300, tmp_path / "admin.sock")
+        haproxy_config([], 8300, files)
+
+
+def scripted_canary(verdicts: list[list[str] | Exception], threshold: int = 2, weights=(10, 25, 50)):
+    """The canary loop over checks that return `verdicts` in turn (a list of failures, or an
+    exception the check raises); what it did, in order."""
+    from serving.canary import CanaryActions, CanaryPolicy, StepCheck, run_canary
+
+    done, script = [], iter(verdicts)
+
+    def check(step: int, weight: int) -> StepCheck:
+        verdict = next(script)
+        if isinstance(verdict, Exception):
+            raise verdict
+        return StepCheck(step, weight, "2026-12-06T00:00:00+00:00", 100.0, 900.0, 100.0, 50.0, 50.0, verdict)
+
+    policy = CanaryPolicy(interval_s=30, threshold=threshold, weights=weights, min_success_rate=99, max_p99_ms=500, max_p99_ratio=1.2)
+    actions = CanaryActions(lambda w: done.append(("weight", w)), check, lambda: done.append(("promote",)), lambda reason: done.append(("roll back", reason)), sleep=lambda s: done.append(("wait", s)))
+    return run_canary("7", policy, actions), done
+
+
+def test_the_canary_loop_advances_on_passed_checks_holds_a_step_that_failed_and_promotes_after_the_last():
+    outcome, done = scripted_canary([[], ["p99 too high"], [], []])
+    assert outcome.outcome == "promoted" and [s.weight for s in outcome.steps] == [10, 25, 25, 50]
+    assert [d for d in done if d[0] != "wait"] == [("weight", 10), ("weight", 25), ("weight", 25), ("weight", 50), ("promote",)]
+    assert [d[1] for d in done if d[0] == "wait"] == [30] * 4
+
+
+def test_the_canary_loop_rolls_back_at_the_thresholds_failed_check_and_a_check_that_cannot_run_counts_as_failed():
+    outcome, done = scripted_canary([["success rate 90 %"], [], ConnectionError("prometheus down")])
+    assert outcome.outcome == "rolled_back" and done[-1][0] == "roll back" and ("promote",) not in done
+    assert "prometheus down" in outcome.reason and "2 failed checks" in outcome.reason
+    assert [s.passed for s in outcome.steps] == [False, True, False]
+
+
+def test_a_steps_measurements_fail_on_each_limit_and_on_no_requests_at_all():
+    from serving.canary import CanaryPolicy, StepCheck, failures_of
+
+    policy = CanaryPolicy(30, 2, (10,), min_success_rate=99, max_p99_ms=500, max_p99_ratio=1.2)
+
+    def check(**measured) -> list[str]:
+        fields = {"canary_requests": 50.0, "success_rate": 100.0, "p99_ms": 100.0, "stable_p99_ms": 100.0} | measured
+        return failures_of(StepCheck(1, 10, "-", stable_requests=500.0, **fields), policy)
+
+    assert check() == []
+    assert check(success_rate=98.0) == ["success rate 98.00 % < 99 %"]
+    assert check(p99_ms=600.0, stable_p99_ms=550.0) == ["p99 600 ms > the budget of 500 ms"]
+    assert check(p99_ms=130.0) == ["p99 130 ms > 1.2 × the stable version's 100 ms"]
+    assert check(canary_requests=0.0, success_rate=None, p99_ms=None) == ["no requests reached the canary in 30 s at 10 %"]
