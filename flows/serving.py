@@ -61,7 +61,7 @@ def serve_alias(
     """Serve the alias (default serving.alias), or with `engine` that local directory."""
     from serving.app import serve
 
-    source, settings = engine_source(root, params, alias, engine), server_settings(root, params, engine is not None, max_batch, prefix_cache_mib)
+    source, settings = engine_source(root, params, alias, engine), server_settings(root, params, engine is None, max_batch, prefix_cache_mib)
     host = host or params.serving.host
     if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         from flows import render
@@ -82,16 +82,16 @@ def engine_source(root: Path, params: Params, alias: str | None, engine: Path | 
     return AliasSource(target, alias or params.serving.alias, Workspace(root).serving_cache, keep_versions=params.serving.keep_versions)
 
 
-def server_settings(root: Path, params: Params, local: bool, max_batch: int | None = None, prefix_cache_mib: int | None = None):
+def server_settings(root: Path, params: Params, follows_alias: bool, max_batch: int | None = None, prefix_cache_mib: int | None = None):
     """params.yaml's `serving` section and the environment's secrets as the server's
-    settings (a `local` engine directory is never polled)."""
+    settings (polling the registry only where it `follows_alias`)."""
     from serving.app import ServerSettings
     from serving.engine_process import RuntimeOptions
 
     config = params.serving
     prefix_cache_bytes = (config.prefix_cache_mib if prefix_cache_mib is None else prefix_cache_mib) << 20
     return ServerSettings(
-        poll_interval_s=0 if local else config.poll_interval_s, max_tokens=config.max_tokens, max_body_bytes=config.max_body_bytes,
+        poll_interval_s=config.poll_interval_s if follows_alias else 0, max_tokens=config.max_tokens, max_body_bytes=config.max_body_bytes,
         api_key=os.environ.get(API_KEY_ENV) or None, webhook_secret=os.environ.get(WEBHOOK_SECRET_ENV) or None,
         webhook_secret_file=webhook_secret_file(root), webhook_max_age_s=config.webhook_max_age_s,
         runtime=RuntimeOptions(threads=config.threads, max_batch=max_batch, max_waiting=config.max_waiting, prefix_cache_bytes=prefix_cache_bytes),
