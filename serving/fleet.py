@@ -17,6 +17,7 @@ service discovery, labelled with its application and the version it serves: a sc
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -28,7 +29,8 @@ log = logging.getLogger("kiln.serving")
 STABLE, CANARY = "stable", "canary"
 ROUTE_PREFIX = {STABLE: "/", CANARY: "/canary"}
 DIRECTORY = "kiln-fleet-directory"  # the named actor that lists the replicas' /metrics
-STALE_AFTER_S = 30.0  # a replica re-registers at each health check (every 10 s)
+REGISTER_EVERY_S = 2.0  # what it serves changes with each swap: Prometheus' labels follow within this
+STALE_AFTER_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class KilnReplica:
 
         self.kiln_app = create_app(self.source, self.settings)
         self._metrics_server, _ = start_http_server(0, addr=self.node, registry=self.kiln_app.state.metrics.registry)
-        self._register()
+        threading.Thread(target=self._keep_registering, name="kiln-fleet-register", daemon=True).start()
 
         @self.kiln_app.get("/fleet/targets", include_in_schema=False)
         async def targets() -> list[dict]:
@@ -101,12 +103,13 @@ class KilnReplica:
         current = self.kiln_app.state.follower.current
         if current is None or not current.scheduler.alive:
             raise RuntimeError("no engine process serves in this replica")
-        self._register()
 
-    def _register(self) -> None:
-        current = self.kiln_app.state.follower.current
-        metrics = f"{self.node}:{self._metrics_server.server_port}"
-        _directory().register.remote(Replica(self.replica_id, self.app_name, current.version if current else "", self.node, self.node_id, metrics))
+    def _keep_registering(self) -> None:
+        directory, metrics = _directory(), f"{self.node}:{self._metrics_server.server_port}"
+        while True:
+            current = self.kiln_app.state.follower.current
+            directory.register.remote(Replica(self.replica_id, self.app_name, current.version if current else "", self.node, self.node_id, metrics))
+            time.sleep(REGISTER_EVERY_S)
 
     def __del__(self) -> None:  # Ray Serve's graceful shutdown of a replica
         try:

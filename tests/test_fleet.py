@@ -68,7 +68,7 @@ def fleet(cluster, project, params, tiny_model, exported, data_version, engine_d
         root,
         registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name=MODEL),
         serving=ServingParams(poll_interval_s=1, max_tokens=64, fleet=FleetParams(address=cluster, replicas=2, cpus_per_replica=0.5, max_replicas_per_node=1, port=free_port(), haproxy_port=free_port())),
-        canary=CanaryParams(interval="8s", threshold=2, stepWeights=[10, 50], max_p99_ms=5000, max_p99_ratio=1.5),
+        canary=CanaryParams(interval="5s", threshold=2, stepWeights=[10, 50], max_p99_ms=5000, max_p99_ratio=1.5),
     )
     target = registry_target(params.registry, root)
     stable = register_engine(target, engine_dir.path, engine_dir.sha256, record()).version
@@ -88,6 +88,13 @@ def haproxy(fleet):
     url = f"http://127.0.0.1:{fleet.params.serving.fleet.haproxy_port}"
     with server_process("haproxy", [HAPROXY, "-db", "-f", str(files.config)], fleet.root / "haproxy.log", url, "/readyz", 30):
         yield SimpleNamespace(url=url, files=files)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """Prefect's own API for the canaries' flow runs (one for the module: each takes seconds to start)."""
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -182,15 +189,15 @@ class SteadyClients:
 
 @needs_haproxy
 @needs_prometheus
-def test_a_canary_that_passes_every_step_becomes_champion_and_gets_its_share_of_requests_meanwhile(fleet, haproxy, prometheus):
+def test_a_canary_that_passes_every_step_becomes_champion_and_gets_its_share_of_requests_meanwhile(fleet, haproxy, prometheus, harness):
     from flows.canary import CanaryRun, canary_promotion
     from serving.canary import PROMOTED
 
     params = fleet.params.model_copy(update={"canary": fleet.params.canary.model_copy(update={"prometheus_url": prometheus})})
-    with prefect_test_harness(server_startup_timeout=120), SteadyClients(haproxy.url) as clients:
-        time.sleep(3)  # stable traffic in Prometheus before the canary's first interval
+    with SteadyClients(haproxy.url) as clients:
+        time.sleep(1)  # stable traffic before the canary's first interval
         outcome = canary_promotion(params, CanaryRun(fleet.root, fleet.good, "tests", fleet.params.serving.fleet.address))
-        time.sleep(2)
+        time.sleep(1)
     assert outcome.outcome == PROMOTED, outcome
     assert [s.weight for s in outcome.steps] == [10, 50] and all(s.passed for s in outcome.steps), outcome.steps
     assert alias_version(fleet.target, CHAMPION).version == fleet.good
@@ -244,15 +251,15 @@ def canary_of(fleet, version: str, prometheus: str):
 
 @needs_haproxy
 @needs_prometheus
-def test_a_canary_many_times_slower_is_rolled_back_within_threshold_intervals_and_the_champion_stays(fleet, haproxy, prometheus, slow_engine):
+def test_a_canary_many_times_slower_is_rolled_back_within_threshold_intervals_and_the_champion_stays(fleet, haproxy, prometheus, harness, slow_engine):
     from serving.canary import ROLLED_BACK
 
     slow = register_engine(fleet.target, slow_engine.path, slow_engine.sha256, record()).version  # signed, its gates passed
     champion = alias_version(fleet.target, CHAMPION).version
-    with prefect_test_harness(server_startup_timeout=120), SteadyClients(haproxy.url) as clients:
-        time.sleep(3)
+    with SteadyClients(haproxy.url) as clients:
+        time.sleep(1)
         outcome, params = canary_of(fleet, slow, prometheus)
-        time.sleep(2)
+        time.sleep(1)
     assert outcome.outcome == ROLLED_BACK, outcome
     assert len(outcome.steps) == params.canary.threshold and all(not s.passed for s in outcome.steps), outcome.steps
     breach = outcome.steps[-1]
@@ -268,12 +275,12 @@ def test_a_canary_many_times_slower_is_rolled_back_within_threshold_intervals_an
 
 @needs_haproxy
 @needs_prometheus
-def test_a_version_whose_gates_failed_gets_no_traffic_from_a_canary(fleet, haproxy, prometheus, int4_engine):
+def test_a_version_whose_gates_failed_gets_no_traffic_from_a_canary(fleet, haproxy, prometheus, harness, int4_engine):
     from components.errors import VersionRefused
     from serving.fleet import replicas
 
     failed = register_engine(fleet.target, int4_engine.path, int4_engine.sha256, record(passed=False)).version
-    with prefect_test_harness(server_startup_timeout=120), pytest.raises(VersionRefused, match="gates"):
+    with pytest.raises(VersionRefused, match="gates"):
         canary_of(fleet, failed, prometheus)
     assert {r.app for r in replicas(fleet.params.serving.fleet.address)} == {"stable"} and canary_weight(haproxy.files) == 0
     assert "canary.outcome" not in get_version(fleet.target, failed).tags
