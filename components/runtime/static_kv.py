@@ -733,31 +733,34 @@ class PrefillGraphs:
         self.runner = runner
         self.logits = torch.zeros(runner.S, vocab_size, dtype=torch.float32, device=runner.device)
         self._inputs: dict[tuple[int, int], Tensor] = {}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if runner.use_graphs else None
 
     @torch.no_grad()
-    def __call__(self, ids: Tensor, positions: Tensor, rows: slice | None = None) -> Tensor:
+    def __call__(self, ids: Tensor, positions: Tensor, rows: slice | None = None, attended: int | None = None) -> Tensor:
         """The logits of `rows` (default: all) on the host: a newcomer beside running rows
-        brings back its own row, not the batch's (50,257 floats a row for GPT-2)."""
-        runner, key = self.runner, tuple(ids.shape)
-        inputs = self._inputs.get(key)
+        brings back its own row, not the batch's (50,257 floats a row for GPT-2). The prompts
+        attend to the cache's first `attended` columns (default: the prompt width; more where
+        they continue a prefix already in their slots, a bucket of `runner._attn_len`)."""
+        runner, shape = self.runner, tuple(ids.shape)
+        inputs = self._inputs.get(shape)
         if inputs is None:
-            inputs = self._inputs[key] = torch.zeros(2, *key, dtype=torch.long, device=runner.device)
+            inputs = self._inputs[shape] = torch.zeros(2, *shape, dtype=torch.long, device=runner.device)
         inputs.copy_(torch.stack([ids, positions]), non_blocking=True)
+        attended = attended or shape[1]
         if not runner.use_graphs:
-            self._body(inputs)
+            self._body(inputs, attended)
         else:
-            graph = self._graphs.get(key)
+            graph = self._graphs.get((*shape, attended))
             if graph is None:
-                graph = self._graphs[key] = captured(lambda: self._body(inputs), self._pool)
+                graph = self._graphs[(*shape, attended)] = captured(lambda: self._body(inputs, attended), self._pool)
             graph.replay()
-        return self.logits[: key[0]][rows or slice(None)].to("cpu", copy=True)  # its own, as the step's logits
+        return self.logits[: shape[0]][rows or slice(None)].to("cpu", copy=True)  # its own, as the step's logits
 
-    def _body(self, inputs: Tensor) -> None:
+    def _body(self, inputs: Tensor, attended: int) -> None:
         runner, (width, prompt) = self.runner, inputs.shape[1:]
         last = runner.key_range[prompt - 1 : prompt].expand(width, 1)
-        bias = causal_bias(inputs[1], runner.key_range[:prompt], runner.dtype)
+        bias = causal_bias(inputs[1], runner.key_range[:attended], runner.dtype)
         logits = runner.prefill_core(inputs[0], inputs[1], bias, last, runner.k_cache, runner.v_cache)
         self.logits[:width].copy_(logits[:, 0])
 

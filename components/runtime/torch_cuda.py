@@ -141,7 +141,8 @@ class TorchCudaEngine(Engine):
     def prefill_after(self, cached: list, new_ids: list[int]) -> tuple[np.ndarray, SlotState]:
         """A prompt whose first tokens' keys and values `cached` holds (a prefix cache's hit,
         `kv_of`'s parts: every layer's keys, then its values) into the next free slot, and
-        the rest prefilled after them, eagerly; the last position's logits (1, 1, vocab)."""
+        the rest prefilled after them through the prefill graphs (attending to the cached
+        columns too); the last position's logits (1, 1, vocab)."""
         import torch
 
         runner, slot, tokens, new = self.runner, self._held, cached[0].shape[2], len(new_ids)
@@ -154,11 +155,16 @@ class TorchCudaEngine(Engine):
         layers = len(cached) // 2
         runner.k_cache[:, slot, :, :tokens] = torch.cat(cached[:layers])
         runner.v_cache[:, slot, :, :tokens] = torch.cat(cached[layers:])
-        ids = torch.tensor([new_ids], device=self.device)
-        positions = torch.arange(tokens, tokens + new, device=self.device)[None]
-        logits = self._eager(ids, positions, torch.tensor([[new - 1]], device=self.device), attended=tokens + new)
+        # Right-aligned in a bucketed prompt width, as `_prefill_last` places prompts; the other
+        # rows and the padding write to the scratch column.
+        width, prompt = runner._width(slot), min(-(-new // runner.prompt_bucket) * runner.prompt_bucket, runner.T)
+        ids = torch.zeros(width, prompt, dtype=torch.long)
+        positions = torch.full((width, prompt), runner.T, dtype=torch.long)
+        ids[slot, prompt - new :] = torch.tensor(new_ids)
+        positions[slot, prompt - new :] = torch.arange(tokens, tokens + new)
+        logits = self._prefill_graphs(ids, positions, rows=slice(slot, slot + 1), attended=runner._attn_len(tokens + new))
         self._held = slot + 1
-        return logits, SlotState(self, [slot], np.array([tokens + new], np.int64))
+        return logits[:, None].numpy(), SlotState(self, [slot], np.array([tokens + new], np.int64))
 
     def kv_of(self, state: SlotState, row: int, tokens: int) -> list:
         """The keys and values of a row's first `tokens` positions in its slot (views of the
