@@ -174,7 +174,7 @@ def remove(app: str, address: str = "auto") -> None:
     from ray import serve
 
     connect(address)
-    serve.delete(app, _blocking=True)
+    serve.delete(app)  # blocks until its replicas are gone
 
 
 def replicas(address: str = "auto") -> list[Replica]:
