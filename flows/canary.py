@@ -122,8 +122,10 @@ def _retire_canary(files, address: str) -> None:
     from serving.fleet import CANARY, remove
     from serving.haproxy import set_canary_weight
 
-    set_canary_weight(files, 0)
-    remove(CANARY, address)
+    try:
+        set_canary_weight(files, 0)
+    finally:  # HAProxy unreachable: the canary still goes, and its share with it
+        remove(CANARY, address)
 
 
 def _wait_for_stable(run: CanaryRun, params: Params, timeout_s: float = 600.0) -> None:

@@ -17,6 +17,8 @@ from datetime import UTC, datetime
 
 import httpx
 
+from components.errors import KilnError
+
 PROMOTED, ROLLED_BACK = "promoted", "rolled_back"
 # Answers that count against a version, as Flagger's request-success-rate counts 5xx: a bad
 # request (4xx) is the client's.
@@ -62,6 +64,10 @@ class CanaryOutcome:
     reason: str  # why it was rolled back, or "every step passed"
 
 
+class PrometheusUnreachable(KilnError):
+    """canary.prometheus_url does not answer queries."""
+
+
 class Prometheus:
     """Instant queries against a Prometheus server's HTTP API."""
 
@@ -70,8 +76,11 @@ class Prometheus:
 
     def scalar(self, expr: str) -> float | None:
         """The query's one value; None where it has none (no series, or NaN: nothing counted)."""
-        answer = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
-        answer.raise_for_status()
+        try:
+            answer = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+            answer.raise_for_status()
+        except httpx.HTTPError as err:
+            raise PrometheusUnreachable(f"Prometheus at {self.url} did not answer `{expr}`: {err}") from None
         result = answer.json()["data"]["result"]
         if not result:
             return None

@@ -16,6 +16,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.errors import KilnError
+
 CHECK_INTERVAL_S = 2  # a node down is out of rotation after 2 failed checks: 4 s
 CANARY_KEY = "canary"  # the weight map's one key: the canary's percentage of requests
 CANARY_BACKEND = "kiln_canary"
@@ -123,11 +125,18 @@ def servers_up(files: HAProxyFiles, backend: str) -> int:
     return sum(1 for row in table if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND") and row["status"].startswith("UP"))
 
 
+class HAProxyUnreachable(KilnError):
+    """The running HAProxy's admin socket does not answer."""
+
+
 def _admin(path: Path, command: str) -> str:
     """One command on HAProxy's admin socket; its answer."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.settimeout(5)
-        connection.connect(str(path))
+        try:
+            connection.connect(str(path))
+        except OSError as err:
+            raise HAProxyUnreachable(f"HAProxy's admin socket {path} does not answer ({err.strerror or err}): is HAProxy running with the configuration `kiln fleet deploy` wrote beside it?") from None
         connection.sendall(command.encode() + b"\n")
         chunks = []
         while chunk := connection.recv(65536):

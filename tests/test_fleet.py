@@ -346,3 +346,25 @@ def test_a_steps_measurements_fail_on_each_limit_and_on_no_requests_at_all():
     assert check(p99_ms=600.0, stable_p99_ms=550.0) == ["p99 600 ms > the budget of 500 ms"]
     assert check(p99_ms=130.0) == ["p99 130 ms > 1.2 × the stable version's 100 ms"]
     assert check(canary_requests=0.0, success_rate=None, p99_ms=None) == ["no requests reached the canary in 30 s at 10 %"]
+
+
+def test_setting_a_canarys_share_without_haproxy_running_says_so_and_names_the_socket(tmp_path):
+    from serving.haproxy import HAProxyUnreachable, set_canary_weight
+
+    files = HAProxyFiles(tmp_path)
+    with pytest.raises(HAProxyUnreachable, match=f"{files.admin_socket}.*is HAProxy running"):
+        set_canary_weight(files, 10)
+    with pytest.raises(ValueError, match="percentage"):
+        set_canary_weight(files, 120)
+
+
+def test_a_prometheus_that_does_not_answer_is_named_and_a_step_checked_against_it_fails():
+    from serving.canary import CanaryPolicy, Prometheus, PrometheusUnreachable, check_step
+
+    nowhere = Prometheus(f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(PrometheusUnreachable, match="did not answer"):
+        nowhere.scalar("up")
+    outcome, _ = scripted_canary([PrometheusUnreachable("Prometheus at x did not answer"), PrometheusUnreachable("again")])
+    assert outcome.outcome == "rolled_back" and "PrometheusUnreachable: again" in outcome.reason
+    with pytest.raises(PrometheusUnreachable):
+        check_step(nowhere, CanaryPolicy(5, 2, (10,), 99, 500, 1.2), 1, 10)
