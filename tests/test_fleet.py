@@ -6,6 +6,7 @@ kiln wrote; a real MLflow store whose signed versions every replica pulls and ve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -31,6 +32,7 @@ from serving.haproxy import HAProxyFiles, NodeProxy, canary_weight, haproxy_conf
 
 from .conftest import build_engine, tiny_params
 from .live_server import free_port, server_process
+from .netns import bridged_namespaces, namespaces_unavailable, start_namespaced_cluster
 from .test_registry import record
 
 MODEL = "kiln-fleet"
@@ -42,18 +44,28 @@ needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="Prometheus is 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes of one CPU each, replicas reserving half a CPU: the stable replicas
-    spread one a node, with room for a canary's beside them."""
+    """Two Ray worker nodes of one CPU each, replicas reserving half a CPU: the stable
+    replicas spread one a node, with room for a canary's beside them. Where this machine can
+    make network namespaces, each worker is a host of its own (its own address, its Serve
+    proxy's among HAProxy's servers) and the head, here, takes no replicas; elsewhere both
+    nodes run here and share its address."""
     import ray
 
     from flows.fleet import start_local_cluster, stop_fleet
 
-    address = start_local_cluster(nodes=2, cpus_per_node=1, port=free_port())
-    yield address
-    try:
-        stop_fleet(address)
-    finally:
-        ray.shutdown()
+    with contextlib.ExitStack() as stack:
+        if namespaces_unavailable() is None:
+            host, nodes = stack.enter_context(bridged_namespaces(2))
+            address, hosts = start_namespaced_cluster(host, nodes, free_port(), cpus_per_node=1, env={}), [a for _, a in nodes]
+        else:
+            address, hosts = start_local_cluster(nodes=2, cpus_per_node=1, port=free_port()), []
+        try:
+            yield SimpleNamespace(address=address, hosts=hosts)
+        finally:
+            try:
+                stop_fleet(address)
+            finally:
+                ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +79,7 @@ def fleet(cluster, project, params, tiny_model, exported, data_version, engine_d
     params = tiny_params(
         root,
         registry=RegistryParams(tracking_uri=f"sqlite:///{root / 'mlruns' / 'mlflow.db'}", model_name=MODEL),
-        serving=ServingParams(poll_interval_s=1, max_tokens=64, fleet=FleetParams(address=cluster, replicas=2, cpus_per_replica=0.5, max_replicas_per_node=1, port=free_port(), haproxy_port=free_port())),
+        serving=ServingParams(poll_interval_s=1, max_tokens=64, fleet=FleetParams(address=cluster.address, replicas=2, cpus_per_replica=0.5, max_replicas_per_node=1, port=free_port(), haproxy_port=free_port())),
         canary=CanaryParams(interval="5s", threshold=2, stepWeights=[10, 50], max_p99_ms=5000, max_p99_ratio=1.5),
     )
     target = registry_target(params.registry, root)
@@ -76,7 +88,7 @@ def fleet(cluster, project, params, tiny_model, exported, data_version, engine_d
     good = register_engine(target, int8.path, int8.sha256, record()).version
     promote(target, CHAMPION, version=stable)
     deployed = deploy_fleet(root, params, None, None)
-    return SimpleNamespace(root=root, params=params, target=target, stable=stable, good=good, deployed=deployed, url=f"http://{deployed.proxies[0]}")
+    return SimpleNamespace(root=root, params=params, target=target, stable=stable, good=good, deployed=deployed, url=f"http://{deployed.proxies[0]}", hosts=cluster.hosts)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +137,9 @@ def replica_metrics(fleet) -> dict[str, dict[str, float]]:
 def test_two_replicas_serve_on_two_nodes_each_listing_its_own_metrics_for_prometheus(fleet):
     targets = httpx.get(f"{fleet.url}/fleet/targets", timeout=10).json()
     assert len(targets) == 2 and len({t["labels"]["node_id"] for t in targets}) == 2  # spread: one a node
+    if fleet.hosts:  # hosts of their own: each replica on its own address, each node's proxy among HAProxy's servers
+        assert sorted(t["labels"]["node"] for t in targets) == sorted(fleet.hosts)
+        assert set(fleet.hosts) <= {proxy.split(":")[0] for proxy in fleet.deployed.proxies}
     assert {t["labels"]["app"] for t in targets} == {"stable"}
     for metrics in replica_metrics(fleet).values():
         assert metrics["kiln_ready"] == 1.0
