@@ -383,3 +383,13 @@ def test_a_prometheus_that_does_not_answer_is_named_and_a_step_checked_against_i
     assert outcome.outcome == "rolled_back" and "PrometheusUnreachable: again" in outcome.reason
     with pytest.raises(PrometheusUnreachable):
         check_step(nowhere, CanaryPolicy(5, 2, (10,), 99, 500, 1.2), 1, 10)
+
+
+@pytest.mark.parametrize("flags", [["--force", "--reason", "x"], ["--alias", "staging"]])
+def test_a_canary_promotion_is_of_champion_and_never_forced(flags):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["promote", "--canary", *flags])
+    assert result.exit_code == 2 and "--canary promotes to champion a version that passed its gates" in result.output
