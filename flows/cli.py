@@ -258,14 +258,16 @@ def promote(
 def _promote_canary(params_file: Path, alias: str, from_alias: str, version: str | None, force: bool) -> None:
     from flows.canary import CanaryRun, canary_promotion
     from flows.environment import person
-    from registry import CHAMPION, alias_version
+    from registry import CHAMPION, alias_version, registry_target
     from serving.canary import PROMOTED
 
     if force or alias != CHAMPION:
         _fail(KilnError(f"--canary promotes to {CHAMPION} a version that passed its gates: leave out --force and --alias"))
     root = Path.cwd()
     with _one_line_errors():
-        target, params = _registry(params_file), _load(params_file)
+        _prepare_environment(root)
+        params = _load(params_file)
+        target = registry_target(params.registry, root)
         named = version or getattr(alias_version(target, from_alias), "version", None)
         if named is None:
             raise KilnError(f"{target.model_name}@{from_alias} names no version: pass --version N")

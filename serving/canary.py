@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import httpx
@@ -104,7 +104,7 @@ def check_step(prometheus: Prometheus, policy: CanaryPolicy, step: int, weight: 
     canary, stable = requests("canary"), requests("stable")
     success = None if canary == 0 else 100.0 * (1 - requests("canary", FAILED_OUTCOMES) / canary)
     check = StepCheck(step, weight, datetime.now(UTC).isoformat(timespec="seconds"), canary, stable, success, p99_ms("canary"), p99_ms("stable"))
-    return StepCheck(**{**check.__dict__, "failures": failures_of(check, policy)})
+    return replace(check, failures=failures_of(check, policy))
 
 
 def failures_of(check: StepCheck, policy: CanaryPolicy) -> list[str]:

@@ -201,27 +201,18 @@ class TorchCudaEngine(Engine):
         are (rows, prompt, vocab) on the host anyway)."""
         import torch
 
-        P = input_ids.shape[1]
-        positions = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=self.runner.T)
-        return self._eager(torch.as_tensor(input_ids, device=self.device), positions, torch.arange(P, device=self.device)[None], attended=P)
-
-    def _eager(self, ids, positions, picked, attended: int) -> np.ndarray:
-        """The program, eagerly, on new rows (`ids` and `positions`, (rows, P)) placed in the
-        slots after the held ones, whose rows feed their tokens to the scratch column; the
-        logits of each new row's `picked` positions ((1, K), the same for every row),
-        attending to the cache's first `attended` columns."""
-        import torch
-
         from components.runtime.static_kv import causal_bias
 
-        runner, held, (B, P) = self.runner, self._held, ids.shape
-        every_ids = torch.zeros(held + B, P, dtype=torch.long, device=self.device)
-        every_ids[held:] = ids
-        every_position = torch.full((held + B, P), runner.T, dtype=torch.long, device=self.device)
-        every_position[held:] = positions
+        runner, (B, P), held = self.runner, input_ids.shape, self._held
+        # Rows 0..held-1 are the running sequences: their tokens go to the scratch column.
+        ids = torch.zeros(held + B, P, dtype=torch.long, device=self.device)
+        ids[held:] = torch.as_tensor(input_ids, device=self.device)
+        positions = torch.full((held + B, P), runner.T, dtype=torch.long, device=self.device)
+        positions[held:] = left_padded_positions(torch.as_tensor(attention_mask, device=self.device), scratch=runner.T)
         with torch.no_grad():
-            bias = causal_bias(every_position, runner.key_range[:attended], runner.dtype)
-            logits = runner.model(every_ids, every_position, bias, picked.expand(held + B, -1), runner.k_cache, runner.v_cache)[held:]
+            bias = causal_bias(positions, runner.key_range[:P], runner.dtype)
+            every = torch.arange(P, device=self.device).expand(held + B, P)
+            logits = runner.model(ids, positions, bias, every, runner.k_cache, runner.v_cache)[held:]
         return logits.float().cpu().numpy()
 
     def decode(self, state: SlotState, next_ids: np.ndarray) -> tuple[np.ndarray, SlotState]:
