@@ -47,7 +47,9 @@ class PrecisionOnnx:
 
     @property
     def content_digest(self) -> str:
-        return self.onnx.sha256
+        # The precision too: a stand-in is one graph for every precision torch-cuda builds from
+        # the model, and keyed on the graph alone its fp8 engine stage reused the bf16 engine.
+        return f"{self.precision}:{self.onnx.sha256}"
 
     @property
     def output_dir(self) -> Path:

@@ -38,6 +38,19 @@ def test_a_stage_version_bump_or_another_task_misses():
     assert content_key("train-model", "1", {"steps": 3, "names": ["a", "c"], "seed": None, "lr": 0.5, "fresh": True}) != key
 
 
+def test_each_precision_torch_cuda_builds_from_the_models_export_is_its_own_engine_stage():
+    """torch-cuda builds every precision from the model, with the fp32 export standing in for
+    its graph: keyed on that graph alone, `kiln build` with bf16 and fp8 built bf16 once and
+    registered it as both."""
+    from components.export import ExportedOnnx
+    from components.precision import model_stand_in
+
+    export = ExportedOnnx(path=Path("/onnx/model.onnx"), sha256="ab" * 32, opset=18, layout=None, parity=None)
+    keys = {p: content_key("build-engine", "1", {"graph": model_stand_in(export, p)}) for p in ("fp32", "fp16", "bf16", "fp8", "int4")}
+    assert len(set(keys.values())) == len(keys)
+    assert content_key("build-engine", "1", {"graph": model_stand_in(export, "bf16")}) == keys["bf16"]
+
+
 def test_a_value_without_content_identity_is_refused_not_hashed_by_accident():
     with pytest.raises(TypeError, match="cannot derive a content cache key from object"):
         content_key("t", "1", {"thing": object()})
