@@ -106,8 +106,6 @@ def test_the_quality_gate_runs_on_the_torch_engine_as_on_any_other(cpu_engine, r
 
 
 def test_what_it_cannot_do_now_is_refused_by_name(cpu_engine, project, params, tiny_model, data_version):
-    with pytest.raises(EngineError, match="generate greedily"):
-        cpu_engine.generate([[1, 2]], Sampling(max_new_tokens=2, temperature=0.7))
     _, held = cpu_engine.prefill(np.ones((1, 2), np.int64), np.ones((1, 2), np.int64))  # a server's sequence holds slot 0
     with pytest.raises(EngineError, match="1 step-wise sequences hold the cache's slots; generate runs when none does"):
         cpu_engine.generate([[1, 2]], Sampling(max_new_tokens=2))
@@ -389,6 +387,31 @@ def test_the_servers_scheduler_batches_requests_over_the_cache_slots_each_with_i
         assert seq.generated == engine.generate([seq.prompt], seq.sampling)[0]
     assert sampled[0].generated == sampled[1].generated and len(sampled[0].generated) == 9
     assert scheduler.close(timeout=10)
+
+
+def test_a_sampled_generate_draws_what_kiln_serve_draws_for_the_same_seed_in_batches_over_the_slots(cpu_engine_dir, engine_dir):
+    """The pipeline's sample completion is a sampled `generate`: drawn on the device from each
+    prompt's seeded stream, as the server's scheduler draws a request's tokens, however many
+    prompts share the slots (a torch-cuda `kiln build` failed at this step before)."""
+    import threading
+
+    from components.runtime import open_engine
+    from serving.scheduler import Finished, Scheduler, Sequence
+
+    tokenizer = EngineTokenizer(engine_dir.path)
+    sampling = Sampling(max_new_tokens=9, temperature=0.9, top_p=0.9, seed=7, stop_at_eos=False)
+    prompt = tokenizer.encode("A function is")
+    slots = cpu_engine_dir.manifest.profiles["generation"].batch.max
+    torch_engine_ = open_engine(cpu_engine_dir)
+    rows = torch_engine_.generate([prompt] * (slots + 2), sampling)
+    other_seed = torch_engine_.generate([prompt], Sampling(max_new_tokens=9, temperature=0.9, top_p=0.9, seed=8, stop_at_eos=False))[0]
+    done = threading.Event()
+    scheduler = Scheduler(torch_engine_, tokenizer, max_waiting=4)  # the engine is the scheduler's now
+    served = Sequence(prompt, sampling, lambda e: done.set() if isinstance(e, Finished) else None)
+    scheduler.submit([served])
+    assert done.wait(60) and scheduler.close(timeout=10)
+    assert len(served.generated) == 9 and rows == [served.generated] * (slots + 2)
+    assert other_seed != served.generated
 
 
 def test_constrained_rows_on_the_torch_engine_parse_and_leave_the_free_rows_of_their_batch_alone(cpu_engine_dir, engine, engine_dir):
@@ -1068,6 +1091,74 @@ def test_on_the_gpu_fp8_and_int4_engines_keep_the_models_greedy_tokens_but_for_n
         stepwise = greedy_step_by_step(engine, FAMILY_PROMPTS, 32)
     for ours in (batched, one_row, stepwise):
         assert first_divergence_margins(reference, FAMILY_PROMPTS, ours, theirs) < 2 * engine_dir.manifest.parity.tolerance
+
+
+@needs_cuda
+def test_on_the_gpu_kiln_build_gates_registers_and_serves_a_bf16_models_bf16_and_fp8_engines_to_the_openai_client(family_dirs, tmp_path):
+    """A bf16 Llama through `kiln build --model DIR` on torch-cuda, as a user runs it on a GPU:
+    bf16 and (sm_89+) fp8 engines built, gated against the model, registered and signed, then
+    each version pulled, verified and answered to the `openai` client with the engine's own
+    greedy text. Random weights know no text and their next-token margins are thin: the text
+    gate's limits are the toy models' (tests/test_families.py), and the quality limits are
+    set under what this model measured built on the CPU (bf16 top-1 0.956, where params.yaml
+    asks 0.97; fp8 0.675, perplexity +2.9 %): what fp8 keeps of a model is tested with
+    margins (test_on_the_gpu_fp8_and_int4_engines_keep_the_models_greedy_tokens...)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from mlflow import MlflowClient
+    from openai import OpenAI
+
+    from components.build.torch_cuda import FP8_CAPABILITY
+    from components.config import PrecisionParams, QualityLimits
+    from components.runtime import open_engine
+    from registry import registry_target
+    from serving.app import ServerSettings, create_app
+    from serving.engine_process import RuntimeOptions
+    from serving.sources import VersionSource
+
+    from .conftest import make_project, new_project_store, tiny_params
+    from .live_server import LiveServer
+    from .test_families import toy_model_gates
+
+    root = make_project(tmp_path / "p")
+    new_project_store(root)
+    model_dir = bf16_model_dir(family_dirs["llama"], root / "models" / "tiny-llama-bf16")
+    precisions = ["bf16", "fp8"] if torch.cuda.get_device_capability() >= FP8_CAPABILITY else ["bf16"]
+    params = tiny_params(root, precision=PrecisionParams(build=precisions))
+    params = params.model_copy(update={"build": params.build.model_copy(update={"backend": "torch-cuda"})})
+    gates = toy_model_gates(params.gates)
+    limits = gates.quality.limits | {"bf16": QualityLimits(min_top1_agreement=0.90, max_ppl_increase_pct=2.0), "fp8": QualityLimits(min_top1_agreement=0.5, max_ppl_increase_pct=20.0)}
+    params = params.model_copy(update={"gates": gates.model_copy(update={"quality": gates.quality.model_copy(update={"limits": limits})})})
+    (root / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    kiln = str(Path(sys.executable).parent / "kiln")
+    result = subprocess.run([kiln, "build", "--model", str(model_dir)], cwd=root, capture_output=True, text=True, timeout=900)
+    output = result.stdout + result.stderr
+    print(output[-6000:])  # the gates' tables, in the device run's log
+    assert result.returncode == 0, output[-3000:]
+
+    target = registry_target(params.registry, root)
+    client = MlflowClient(target.tracking_uri, registry_uri=target.tracking_uri)
+    versions = {v.tags["precision"]: v for v in client.search_model_versions(f"name='{target.model_name}'")}
+    assert sorted(versions) == sorted(precisions)
+    major, minor = torch.cuda.get_device_capability()
+    for precision, version in versions.items():
+        tags = version.tags
+        assert (tags["backend"], tags["target"], tags["gates.passed"]) == ("torch-cuda", f"sm_{major}{minor}", "true"), (precision, tags)
+        assert float(tags["gates.quality.top1_agreement"]) >= limits[precision].min_top1_agreement
+        source = VersionSource(target, version.version, root / "serving" / precision)  # pulled and its signature verified
+        with LiveServer(create_app(source, ServerSettings(poll_interval_s=0, max_tokens=16, runtime=RuntimeOptions(max_waiting=4)))) as live:
+            openai = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+            answer = openai.completions.create(model=target.model_name, prompt="The list type", max_tokens=12, temperature=0)
+        served = source.pull(source.resolve())
+        tokenizer = EngineTokenizer(served.engine_dir.path)
+        assert served.engine_dir.manifest.precision == precision
+        with open_engine(served.engine_dir) as engine:
+            expected = tokenizer.decode(engine.generate([tokenizer.encode_prompt("The list type")], Sampling(max_new_tokens=12))[0])
+        # Random tokens may end inside a UTF-8 character, which the server's text leaves out.
+        assert answer.choices[0].text == expected.rstrip("\ufffd") and answer.usage.completion_tokens == 12, (precision, answer, expected)
 
 
 # ---------------------------------------------------------------------------- int4

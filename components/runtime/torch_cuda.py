@@ -27,7 +27,7 @@ import numpy as np
 
 from components.engine_dir import EngineDir, EngineManifest
 from components.errors import BackendUnavailable, EngineError, ShapeOutOfProfile
-from components.runtime.engine import Engine, Picked, advanced
+from components.runtime.engine import Engine, Picked, advanced, left_pad
 from components.runtime.logprobs import TokenLogprob, logprobs_of
 from components.runtime.sampling import Draws, Sampling
 from components.runtime.static_kv import LogitsStepGraphs, PrefillGraphs, SampledStepGraphs, left_padded_positions
@@ -334,16 +334,39 @@ class TorchCudaEngine(Engine):
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
         """Greedy continuations, batched continuously over the cache's slots (more prompts
         than slots wait for one); stops at the end-of-text token when asked, which, as for
-        every engine, is not part of the result (any of the model's stop ids: Llama 3 has two)."""
-        if not sampling.greedy:
-            raise EngineError("torch-cuda engines generate greedily (temperature 0); sampling is not captured in their graphs yet")
+        every engine, is not part of the result (any of the model's stop ids: Llama 3 has two).
+        Sampled ones are drawn as kiln serve draws them (`_sampled_rows`)."""
         if not prompts or any(not p for p in prompts):
             raise ShapeOutOfProfile("every prompt needs at least one token")
         self._check_total(max(map(len, prompts)) + sampling.max_new_tokens)
         self._check_no_slots_held("generate")
+        if not sampling.greedy:
+            rows = [row for start in range(0, len(prompts), self.runner.S) for row in self._sampled_rows(prompts[start : start + self.runner.S], sampling)]
+            return [[t for t in row if t not in self.manifest.stop_ids] for row in rows] if sampling.stop_at_eos else rows
         stops = self.manifest.stop_ids
         rows = self.runner.generate(prompts, sampling.max_new_tokens, stop_token=stops if sampling.stop_at_eos else None)
         return [[t for t in row if t not in stops] for row in rows] if sampling.stop_at_eos else rows
+
+    def _sampled_rows(self, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+        """Each prompt's tokens drawn on the device by one-step sampled turns, from its own
+        seeded stream (`Draws`), as the server's scheduler drives them; up to the first stop id."""
+        draws = [Draws(sampling) for _ in prompts]
+        logits, state = self.prefill(*left_pad(prompts, self.manifest.eos_token_id))
+        tokens = self.pick(logits[:, -1], draws).tokens[:, -1]
+        rows, stopped = [[t] for t in tokens.tolist()], np.isin(tokens, list(self.manifest.stop_ids)) & sampling.stop_at_eos
+        for _ in range(sampling.max_new_tokens - 1):
+            if stopped.all():
+                break
+            for d in draws:
+                d.drawn += 1
+            picked, state = self.decode_turn(state, tokens, draws)
+            tokens = picked.tokens[:, -1]
+            for row, token, done in zip(rows, tokens.tolist(), stopped, strict=True):
+                if not done:
+                    row.append(token)
+            stopped |= np.isin(tokens, list(self.manifest.stop_ids)) & sampling.stop_at_eos
+        state.rows([])
+        return rows
 
     def warm_up(self, prompt_tokens: int, new_tokens: int) -> None:
         """Compile and capture the graphs of one row and of a full batch of this shape."""
