@@ -1,5 +1,6 @@
 """Prefect cache keys come from content and stage versions, never from names."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,7 @@ def test_a_stages_peak_memory_is_its_own_not_the_stage_befores():
     if small.since_start:
         pytest.skip("this kernel keeps no resettable peak (/proc/self/clear_refs)")
     assert big.peak_bytes - small.peak_bytes >= 200 << 20
-    assert big.text().startswith("0 s, peak memory") and "GiB" in big.text()
+    assert re.match(r"\d+ s, peak memory \d+\.\d GiB", big.text()), big.text()  # 256 MiB written in 0.76 s on a busy 2-core machine
     held = np.ones(1100 << 20, np.uint8)  # what an earlier stage of the same process kept
     with measured() as later:
         pass
