@@ -58,7 +58,7 @@ def limit_tags(report: GateReport) -> dict[str, str]:
 def run_record(
     params: Params,
     model: TrainedModel,
-    onnx: ExportedOnnx,
+    onnx: ExportedOnnx | None,
     engine: EngineDir,
     report: GateReport,
     report_dir: Path,
@@ -69,10 +69,11 @@ def run_record(
     training: RunLink | None = None,
 ) -> RunRecord:
     metrics = dict(report.flat_numbers()) | (GateReport((against_champion,)).flat_numbers() if against_champion else {})
-    metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
-    metrics["export.parity.decode_max_abs_diff"] = onnx.parity.decode_max_abs_diff
-    if onnx.parity.layers is not None:  # checked on the model's first layers alone
-        metrics["export.parity.layers"] = onnx.parity.layers
+    if onnx is not None:  # none where torch-cuda built every engine from the model
+        metrics["export.parity.prefill_max_abs_diff"] = onnx.parity.prefill_max_abs_diff
+        metrics["export.parity.decode_max_abs_diff"] = onnx.parity.decode_max_abs_diff
+        if onnx.parity.layers is not None:  # checked on the model's first layers alone
+            metrics["export.parity.layers"] = onnx.parity.layers
     if model.eval_perplexity is not None:
         metrics["train.eval_perplexity"] = model.eval_perplexity
         metrics["train.uniform_perplexity"] = model.uniform_perplexity or 0.0

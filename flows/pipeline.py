@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from components.build import engine_from_onnx, resolve_backend
+from components.build import engine_from_model, engine_from_onnx, resolve_backend
 from components.calibrate import CalibrationSet, calibration_set_from_pool
 from components.champion_gate import Contender, champion_gate
 from components.config import GateParams, Params, SampleParams
@@ -24,7 +24,7 @@ from components.errors import GateFailed, KilnError
 from components.export import ExportedOnnx, onnx_from_model
 from components.gates import GateReport, GateResult, fastest_passing, gated_engine, write_report
 from components.model_dir import TrainedModel, check_fits_model, model_from_directory, pretrained_directory
-from components.precision import PrecisionOnnx, model_stand_in, precision_onnx
+from components.precision import PrecisionOnnx, precision_onnx
 from components.runtime import open_engine
 from components.runtime.sampling import Sampling
 from components.runtime.tokenizer import EngineTokenizer
@@ -91,6 +91,7 @@ export_onnx = CachedStage(onnx_from_model, "export-onnx")
 curate_calibration = CachedStage(calibration_set_from_pool, "curate-calibration-set")
 convert_precision = CachedStage(precision_onnx, "precision-onnx")
 build_engine = CachedStage(engine_from_onnx, "build-engine")
+build_from_model = CachedStage(engine_from_model, "build-engine")  # torch-cuda's engines
 gate_engine = CachedStage(gated_engine, "gate-engine")
 register = task(name="register-engine", retries=1, retry_delay_seconds=2)(register_engine)
 set_challenger = task(name="alias-challenger", retries=1, retry_delay_seconds=2)(promote)
@@ -165,7 +166,11 @@ def retrain_and_rebuild(params: Params, root: Path, model_dir: Path | None = Non
     model = _model_for(params, data, workspace, model_dir)
     check_params_against_model(model, params.build.profiles, params.sample)
     training = log_training_run(target, params, model, data, workspace.stage_dir("reports"))
-    onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
+    onnx = None
+    if any(not _from_the_model(precision, params) for precision in params.precision.build):
+        onnx = export_onnx(model, params.export, workspace.stage_dir("onnx"))
+    else:
+        get_run_logger().info("no ONNX export: torch-cuda builds every engine of this run from the model")
     calibration = None
     if params.precision.calibrates(int8_backend(params)):  # int8 built, as Q/DQ
         calibration = curate_calibration(data, model.path, params.build.profiles, params.calibration, workspace.stage_dir("calibration"))
@@ -210,15 +215,18 @@ def _engine_for(
     precision: str,
     params: Params,
     model: TrainedModel,
-    onnx: ExportedOnnx,
+    onnx: ExportedOnnx | None,
     data: DataVersion,
     calibration: CalibrationSet | None,
     workspace: Workspace,
     target: RegistryTarget,
     training: RunLink | None,
 ) -> EngineOutcome:
-    graph = _precision_graph(precision, params, onnx, calibration, workspace)
-    engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
+    if _from_the_model(precision, params):
+        engine = build_from_model(model, precision, data, params.build, workspace.stage_dir("engines"))
+    else:
+        graph = _precision_graph(precision, params, onnx, calibration, workspace)
+        engine = build_engine(graph, model, data, params.build, workspace.stage_dir("engines"), workspace.root)
     gated = gate_engine(engine, model, data, params.gates, workspace.stage_dir("gates"), params.serving.threads)
     report = gated.report.plus(serving_check(engine, data.texts("eval"), params.gates, params.serving.threads))
     champion = alias_version(target, CHAMPION)
@@ -234,11 +242,14 @@ def _engine_for(
     return EngineOutcome(precision, engine, report, registration, compared)
 
 
+def _from_the_model(precision: str, params: Params) -> bool:
+    """torch-cuda builds the engine, from the model itself: no ONNX graph of any precision
+    (an int4 MatMulNBits graph, or the export, would be made for nothing)."""
+    return precision != "int8" and resolve_backend(params.build.backend, precision) == "torch-cuda"
+
+
 def _precision_graph(precision: str, params: Params, onnx: ExportedOnnx, calibration: CalibrationSet | None, workspace: Workspace) -> PrecisionOnnx:
-    """The precision's graph, for the backend that builds it; none where torch-cuda does
-    (it quantizes the model itself: an int4 MatMulNBits graph would be made for nothing)."""
-    if precision != "int8" and resolve_backend(params.build.backend, precision) == "torch-cuda":
-        return model_stand_in(onnx, precision)
+    """The precision's graph, for the backend that builds it from ONNX."""
     settings = params.precision.for_backend(int8_backend(params)) if precision == "int8" else params.precision
     return convert_precision(onnx, precision, calibration, settings, workspace.stage_dir("precision"))
 

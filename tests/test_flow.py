@@ -244,6 +244,40 @@ def test_a_failing_engine_leaves_the_older_challenger_where_it_was(flow_project)
     assert resolve_alias(registry_target(registry, flow_project), CHALLENGER).version == good.challenger.registration.version
 
 
+def test_torch_cuda_builds_each_precision_from_the_model_with_no_onnx_export_and_samples_its_challenger(flow_project, monkeypatch):
+    """A run whose engines torch-cuda builds (here on the CPU, as on a GPU: the build and
+    the backend check are pointed at the CPU) exports no ONNX (an 8B model's is 32 GB),
+    builds one engine per precision, records no ONNX in their lineage, and samples the
+    challenger at params' temperature."""
+    import functools
+
+    from components.build import torch_cuda
+    from components.config import QualityLimits
+    from components.runtime import availability
+
+    monkeypatch.setattr(availability, "torch_cuda_ready", lambda: (True, ""))
+    monkeypatch.setattr(torch_cuda, "torch_engine_from_model", functools.partial(torch_cuda.torch_engine_from_model, device="cpu"))
+    base = tiny_params(flow_project)
+    limits = base.gates.quality.limits | {"bf16": QualityLimits(min_top1_agreement=0.9, max_ppl_increase_pct=2.0)}  # the tiny model's thin margins
+    params = base.model_copy(
+        update={
+            "registry": base.registry.model_copy(update={"model_name": "kiln-torch"}),
+            "precision": base.precision.model_copy(update={"build": ["fp32", "bf16"]}),
+            "build": base.build.model_copy(update={"backend": "torch-cuda"}),
+            "gates": base.gates.model_copy(update={"quality": base.gates.quality.model_copy(update={"limits": limits})}),
+        }
+    )
+    state = retrain_and_rebuild(params, flow_project, return_state=True)
+    result = state.result()
+    assert "export-onnx" not in task_states(state)
+    engines = {o.precision: o.engine for o in result.outcomes}
+    assert {p: e.manifest.precision for p, e in engines.items()} == {"fp32": "fp32", "bf16": "bf16"}
+    assert engines["fp32"].sha256 != engines["bf16"].sha256 and {e.manifest.backend for e in engines.values()} == {"torch-cuda"}
+    assert {e.manifest.lineage.onnx_sha256 for e in engines.values()} == {"none"}
+    assert {o.registration.version for o in result.outcomes} == {"1", "2"}
+    assert params.sample.temperature > 0 and len(result.sample) > len(params.sample.prompt)
+
+
 def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_champion(flow_project):
     """The MLflow UI renders a version's description: the gates with their limits, the
     champion of the moment, the lineage and a link to the run. A second engine (the same

@@ -1138,6 +1138,8 @@ def test_on_the_gpu_kiln_build_gates_registers_and_serves_a_bf16_models_bf16_and
     output = result.stdout + result.stderr
     print(output[-6000:])  # the gates' tables, in the device run's log
     assert result.returncode == 0, output[-3000:]
+    assert "no ONNX export: torch-cuda builds every engine of this run from the model" in output
+    assert not (root / ".kiln" / "stages" / "onnx").exists()  # an 8B model's would be 32 GB
 
     target = registry_target(params.registry, root)
     client = MlflowClient(target.tracking_uri, registry_uri=target.tracking_uri)
@@ -1146,7 +1148,7 @@ def test_on_the_gpu_kiln_build_gates_registers_and_serves_a_bf16_models_bf16_and
     major, minor = torch.cuda.get_device_capability()
     for precision, version in versions.items():
         tags = version.tags
-        assert (tags["backend"], tags["target"], tags["gates.passed"]) == ("torch-cuda", f"sm_{major}{minor}", "true"), (precision, tags)
+        assert (tags["backend"], tags["target"], tags["gates.passed"], tags["onnx_sha256"]) == ("torch-cuda", f"sm_{major}{minor}", "true", "none"), (precision, tags)
         assert float(tags["gates.quality.top1_agreement"]) >= limits[precision].min_top1_agreement
         source = VersionSource(target, version.version, root / "serving" / precision)  # pulled and its signature verified
         with LiveServer(create_app(source, ServerSettings(poll_interval_s=0, max_tokens=16, runtime=RuntimeOptions(max_waiting=4)))) as live:

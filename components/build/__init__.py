@@ -12,7 +12,9 @@ from components.errors import BackendUnavailable, BuildError
 from components.model_dir import TrainedModel
 from components.precision import PrecisionOnnx
 
-__all__ = ["STAGE_VERSION", "engine_from_onnx", "lineage_of", "resolve_backend", "timing_cache_of"]
+__all__ = ["NO_ONNX", "STAGE_VERSION", "engine_from_model", "engine_from_onnx", "lineage_of", "resolve_backend", "timing_cache_of"]
+
+NO_ONNX = "none"  # the lineage of an engine torch-cuda built from the model, with no ONNX export
 
 
 def lineage_of(model: TrainedModel, graph: PrecisionOnnx, data: DataVersion) -> Lineage:
@@ -78,10 +80,16 @@ def engine_from_onnx(
 
         return trt_engine_from_onnx(graph, model.path, lineage, params, out_root, timing_cache_of(params, project_root))
     if backend == "torch-cuda":
-        from components.build.torch_cuda import torch_engine_from_model
-
-        lineage = lineage.model_copy(update={"precision_onnx_sha256": None, "calibration_digest": None})
-        return torch_engine_from_model(model.path, graph.precision, lineage, params.profiles, out_root, memory_utilization=params.gpu_memory_utilization)
+        return engine_from_model(model, graph.precision, data, params, out_root)
     from components.build.onnxruntime import ort_engine_from_onnx
 
     return ort_engine_from_onnx(graph, model.path, lineage, params, out_root)
+
+
+def engine_from_model(model: TrainedModel, precision: str, data: DataVersion, params: BuildParams, out_root: Path) -> EngineDir:
+    """A torch-cuda engine: built from the model itself in its own dtype, so no ONNX graph is
+    part of its lineage (an 8B model's fp32 export alone is 32 GB of disk and of memory)."""
+    from components.build.torch_cuda import torch_engine_from_model
+
+    lineage = Lineage(source_model_path=str(model.path.resolve()), source_model_sha256=model.sha256, onnx_sha256=NO_ONNX, data_md5=data.md5)
+    return torch_engine_from_model(model.path, precision, lineage, params.profiles, out_root, memory_utilization=params.gpu_memory_utilization)
