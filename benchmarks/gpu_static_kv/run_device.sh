@@ -10,11 +10,11 @@
 #   pdl        pdl_ab.py: the one-row Triton step with programmatic dependent launch on and off
 #   fused      fused_ab.py: the Llama one-row step in three kernels a layer vs five, and its tiles
 #   profile    step_profile.py: where one decode step of the Llama Triton step goes
-#   test       the GPU tests: tests/test_torch_cuda.py and tests/test_static_kv_prototype.py
+#   test       the GPU tests: tests/test_torch_cuda.py and tests/test_static_kv_prototype.py, TEST_WORKERS (6) at a time
 # Each step writes STEP.log (and its JSON) under $OUT, and a line to $OUT/run_device.txt;
 # the exit status is 1 when any step failed. Settings through the environment: RUNS,
 # SHAPES, KILNBENCH_ARGS, KILN_PHASES, STEPS_ARGS, SERVE_SECONDS, LOOP_ARGS, FUSED_SET,
-# FUSED_RUNS, PDL_RUNS, TEST_K, and <STEP>_TIMEOUT in seconds (e.g. KILNBENCH_TIMEOUT=600).
+# FUSED_RUNS, PDL_RUNS, TEST_K, TEST_WORKERS, and <STEP>_TIMEOUT in seconds (e.g. KILNBENCH_TIMEOUT=600).
 set -o pipefail
 source "$(dirname "$0")/device_env.sh"
 PY=${PYTHON:-python3}
@@ -57,7 +57,7 @@ for step in "$@"; do
       tiles=(); [ -f "$OUT/best_tiles.json" ] && tiles=(--tiles "$OUT/best_tiles.json")
       run profile 200 "$PY" -m benchmarks.gpu_static_kv.step_profile --out "$OUT" --work "$WORK" "${tiles[@]}" ;;
     test)
-      run test 580 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=12 tests/test_torch_cuda.py tests/test_static_kv_prototype.py \
+      run test 580 "$PY" -m pytest -q -p no:cacheprovider -rs --durations=12 -n "${TEST_WORKERS:-6}" tests/test_torch_cuda.py tests/test_static_kv_prototype.py \
         -k "${TEST_K:-$TEST_SELECTION}" ;;
     *) echo "unknown step $step (see the top of $0)" | tee -a "$OUT/run_device.txt"; failed=1 ;;
   esac
