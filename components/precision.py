@@ -47,8 +47,8 @@ class PrecisionOnnx:
 
     @property
     def content_digest(self) -> str:
-        # The precision too: a stand-in is one graph for every precision torch-cuda builds from
-        # the model, and keyed on the graph alone its fp8 engine stage reused the bf16 engine.
+        # The precision too: the fp32 export stands in for several precisions' graphs, and a
+        # stage keyed on the graph alone would hand one precision's engine to another.
         return f"{self.precision}:{self.onnx.sha256}"
 
     @property

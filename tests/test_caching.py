@@ -39,10 +39,10 @@ def test_a_stage_version_bump_or_another_task_misses():
     assert content_key("train-model", "1", {"steps": 3, "names": ["a", "c"], "seed": None, "lr": 0.5, "fresh": True}) != key
 
 
-def test_each_precision_torch_cuda_builds_from_the_models_export_is_its_own_engine_stage():
-    """torch-cuda builds every precision from the model, with the fp32 export standing in for
-    its graph: keyed on that graph alone, `kiln build` with bf16 and fp8 built bf16 once and
-    registered it as both."""
+def test_each_precision_the_fp32_export_stands_in_for_is_its_own_engine_stage():
+    """The fp32 export stands in for the graph of several precisions (fp32's, and those no
+    graph stage makes): keyed on that graph alone, a bf16 and an fp8 engine stage were one
+    (`kiln build` once built bf16 and registered it as both)."""
     from components.export import ExportedOnnx
     from components.precision import model_stand_in
 
