@@ -236,9 +236,11 @@ def lineage(lineage) -> None:
     perplexity = lineage.run_metrics.get("train.eval_perplexity")
     if perplexity is not None:
         model.add(f"eval perplexity {perplexity:.2f}")
-    onnx = model.add(f"ONNX sha256 {tag(tags.ONNX_SHA256)[:12]}")
-    precision_onnx = onnx.add(f"{tag(tags.PRECISION)} ONNX sha256 {tag(tags.PRECISION_ONNX_SHA256)[:12]} · calibration {tag(tags.CALIBRATION_DIGEST)[:12]}")
-    engine = precision_onnx.add(
+    built_from = model  # torch-cuda's engines are built from the model itself: no ONNX between
+    if tag(tags.ONNX_SHA256) != "none":
+        onnx = model.add(f"ONNX sha256 {tag(tags.ONNX_SHA256)[:12]}")
+        built_from = onnx.add(f"{tag(tags.PRECISION)} ONNX sha256 {tag(tags.PRECISION_ONNX_SHA256)[:12]} · calibration {tag(tags.CALIBRATION_DIGEST)[:12]}")
+    engine = built_from.add(
         f"engine sha256 [cyan]{tag(tags.ENGINE_SHA256)[:12]}[/] · {tag(tags.BACKEND)} {tag(tags.BACKEND_VERSION)} · {tag(tags.TARGET)} · profiles {tag(tags.PROFILES_SHA256)[:12]}"
     )
     passed = info.tags.get(tags.GATES_PASSED) == tags.TRUE

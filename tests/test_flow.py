@@ -276,6 +276,12 @@ def test_torch_cuda_builds_each_precision_from_the_model_with_no_onnx_export_and
     assert {e.manifest.lineage.onnx_sha256 for e in engines.values()} == {"none"}
     assert {o.registration.version for o in result.outcomes} == {"1", "2"}
     assert params.sample.temperature > 0 and len(result.sample) > len(params.sample.prompt)
+    from flows import render
+    from registry import version_lineage
+
+    with render.console.capture() as shown:
+        render.lineage(version_lineage(registry_target(params.registry, flow_project), result.outcomes[1].registration.version))
+    assert "ONNX" not in shown.get() and "engine sha256" in shown.get()  # `kiln lineage`: model → engine
 
 
 def test_the_version_page_explains_itself_and_a_new_engine_is_set_beside_the_champion(flow_project):
