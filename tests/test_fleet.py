@@ -214,12 +214,16 @@ def test_a_canary_that_passes_every_step_becomes_champion_and_gets_its_share_of_
         outcome = canary_promotion(params, CanaryRun(fleet.root, fleet.good, "tests", fleet.params.serving.fleet.address))
         time.sleep(1)
     assert outcome.outcome == PROMOTED, outcome
-    assert [s.weight for s in outcome.steps] == [10, 50] and all(s.passed for s in outcome.steps), outcome.steps
+    weights, held = [s.weight for s in outcome.steps], [s for s in outcome.steps if not s.passed]
+    assert sorted(set(weights)) == [10, 50] and weights == sorted(weights) and len(held) < params.canary.threshold, outcome.steps
+    # A fresh canary's p99 may trail the stable replicas' for its first interval on a busy
+    # 2-core machine (seen once in a whole make test): the step is held, as the policy says.
+    assert all(f.startswith("p99 ") for s in held for f in s.failures), held
     assert alias_version(fleet.target, CHAMPION).version == fleet.good
     assert canary_weight(haproxy.files) == 0
     assert all(a.status == 200 for a in clients.log), Counter(a.status for a in clients.log)  # no request lost to the steps, promotion or drain
     assert clients.log[-1].version == fleet.good
-    first = outcome.steps[0]
+    first = next(s for s in outcome.steps if s.passed)
     checked = datetime.fromisoformat(first.at).timestamp()
     during = [a for a in clients.log if checked - params.canary.interval_s + 1 < a.started < checked - 1]
     canary = sum(a.version == fleet.good for a in during)
