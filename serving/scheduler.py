@@ -339,20 +339,24 @@ class Scheduler:
         whole = [r for r in admitted if r not in hits]
         if whole:
             self._prefill_whole(whole)
-        for r, hit in hits.items():
-            self._prefill_after(r, hit)
+        if hits:
+            self._prefill_after(hits)
 
-    def _prefill_after(self, r: _Held, hit: Hit) -> None:
+    def _prefill_after(self, hits: dict[_Held, Hit]) -> None:
+        """The hits' prompts prefilled after their cached beginnings, together."""
+        admitted = list(hits)
         try:
-            logits, state = self.engine.prefill_after(hit.cache, r.seq.prompt[hit.tokens :])
+            logits, state = self.engine.prefill_after_each([(hit.cache, r.seq.prompt[hit.tokens :]) for r, hit in hits.items()])
         except Exception as err:
-            r.seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
+            for r in admitted:
+                r.seq.emit(Failed(f"the engine failed on the prompt: {type(err).__name__}: {err}"))
             return
-        r.seq.cached_tokens = hit.tokens
-        self.prefix_cache.store(r.seq.prompt, self.engine.kv_of(state, 0, len(r.seq.prompt)))
-        rows = self._place([r], state)
-        self._live += 1
-        self._advance(self.engine.pick(logits[:, -1], [r.draws]), rows)
+        for index, (r, hit) in enumerate(hits.items()):
+            r.seq.cached_tokens = hit.tokens
+            self.prefix_cache.store(r.seq.prompt, self.engine.kv_of(state, index, len(r.seq.prompt)))
+        rows = self._place(admitted, state)
+        self._live += len(admitted)
+        self._advance(self.engine.pick(logits[:, -1], [r.draws for r in admitted]), rows)
 
     def _prefill_whole(self, admitted: list[_Held]) -> None:
         ids, mask = left_pad([r.seq.prompt for r in admitted], self.engine.manifest.eos_token_id)

@@ -178,7 +178,8 @@ def test_the_openai_client_sees_the_cached_prompt_tokens_in_the_usage(engine_dir
 
 def test_a_burst_that_shares_an_uncached_beginning_computes_it_once_and_answers_as_without_the_cache(engine_dir):
     """Three prompts arriving together that begin alike: the first is prefilled, the others
-    wait for it and take its blocks; a prompt asking for its own log probabilities does not."""
+    wait for it and take its blocks, prefilled after them together; a prompt asking for its
+    own log probabilities does not."""
     from components.runtime import load_engine
     from components.runtime.tokenizer import EngineTokenizer
     from serving.scheduler import Finished, Scheduler, Sequence
@@ -194,15 +195,19 @@ def test_a_burst_that_shares_an_uncached_beginning_computes_it_once_and_answers_
         samplings = [Sampling(max_new_tokens=6, logprobs=1)] * 3 + [Sampling(max_new_tokens=6, prompt_logprobs=1)]
         asked = [Sequence(p, s, lambda e: done.release() if isinstance(e, Finished) else None) for p, s in zip(prompts, samplings, strict=True)]
         with load_engine(engine_dir.path) as own:
+            each = own.prefill_after_each
+            own.prefill_after_each = lambda hits: (hits_prefilled.append(len(hits)), each(hits))[1]
             scheduler = Scheduler(own, tokenizer, max_waiting=4, prefix_cache=prefix_cache)
             scheduler.submit(asked)  # one burst: admitted in the same turn
             assert all(done.acquire(timeout=60) for _ in asked)
             assert scheduler.close(timeout=10)
         return asked
 
+    hits_prefilled: list[int] = []
     cache = PrefixCache(16 << 20)
     cached, plain = answers(cache), answers(None)
     assert [s.cached_tokens for s in cached] == [0, shared, shared, 0]
+    assert hits_prefilled == [2]  # the hits together (torch-cuda: one pass of its prefill graphs), not one call each
     assert (cache.totals.queries, cache.totals.hits) == (3, 2)  # the scored prompt is never looked up
     for ours, theirs in zip(cached, plain, strict=True):
         assert ours.generated == theirs.generated

@@ -339,6 +339,45 @@ def check_prefill_after(engine_dir, atol: float) -> None:
         busy.joined(after).rows([])
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hits_of_different_lengths_prefilled_in_one_pass_equal_their_whole_prefills(family, cpu_engine_dir, family_engine_dirs):
+    check_prefill_after_each(cpu_engine_dir if family == "gpt2" else family_engine_dirs[family], atol=1e-4)
+
+
+def check_prefill_after_each(engine_dir, atol: float) -> None:
+    """A burst of prefix cache hits on torch-cuda, in one pass beside a running sequence:
+    prompts of other lengths, cached to other depths; each row's logits and slot are those
+    of prefilling its prompt whole."""
+    from components.runtime import open_engine
+    from components.runtime.engine import left_pad
+
+    prompts, depths, running = [list(range(5, 45)), list(range(100, 121)), list(range(7, 60))], [32, 16, 48], list(range(60, 71))
+    with open_engine(engine_dir) as engine:
+
+        def prefill(rows: list[list[int]]):
+            return engine.prefill(*left_pad(rows, engine.manifest.eos_token_id))
+
+        busy = prefill([running])[1]
+        expected, expected_kv, cached = [], [], []
+        for prompt, depth in zip(prompts, depths, strict=True):
+            logits, whole = prefill([prompt])
+            expected.append(logits)
+            expected_kv.append([part.clone() for part in engine.kv_of(whole, 0, len(prompt))])
+            busy = busy.joined(whole).rows([0])
+            _, beginning = prefill([prompt[:depth]])
+            cached.append([part.clone() for part in engine.kv_of(beginning, 0, depth)])
+            busy = busy.joined(beginning).rows([0])
+        engine.runner.k_cache[:, 1:].zero_()  # what the freed slots held must not be what is read
+        engine.runner.v_cache[:, 1:].zero_()
+        logits, after = engine.prefill_after_each([(c, p[d:]) for c, p, d in zip(cached, prompts, depths, strict=True)])
+        assert after.slots == [1, 2, 3] and after.lengths.tolist() == [len(p) for p in prompts]
+        np.testing.assert_allclose(logits, np.concatenate(expected), atol=atol, rtol=0)
+        for row, prompt in enumerate(prompts):
+            for ours, theirs in zip(engine.kv_of(after, row, len(prompt)), expected_kv[row], strict=True):
+                torch.testing.assert_close(ours, theirs, atol=atol / 10, rtol=0)
+        busy.joined(after).rows([])
+
+
 @needs_cuda
 def test_on_the_gpu_a_prefix_cache_hit_prefills_as_the_whole_prompt_and_a_conversation_answers_as_without_it(family_dirs, tmp_path):
     from .test_prefix_cache import SHORT_TURNS, check_conversation

@@ -182,6 +182,16 @@ class Engine(ABC):
         tokens = cached[0].shape[2]
         return self.extend(DecodeState(cached, np.ones((1, tokens), np.int64), np.array([[tokens - 1]], np.int64)), new_ids)
 
+    def prefill_after_each(self, hits: list[tuple[list[np.ndarray], list[int]]]) -> tuple[np.ndarray, DecodeState]:
+        """Several prompts, each `(cached, new_ids)` as `prefill_after` takes them, in order:
+        their last positions' logits (rows, 1, vocab) and their state. Here one after the
+        other; torch-cuda prefills them in one pass."""
+        results = [self.prefill_after(cached, new_ids) for cached, new_ids in hits]
+        state = results[0][1]
+        for _, other in results[1:]:
+            state = state.joined(other)
+        return np.concatenate([logits for logits, _ in results]), state
+
     def kv_of(self, state: DecodeState, row: int, tokens: int) -> list[np.ndarray]:
         """The KV of a row's first `tokens` positions (views; a prefix cache copies what it
         keeps), each part (1, kv heads, tokens, head dim). A row is left-padded: its

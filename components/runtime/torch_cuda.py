@@ -141,30 +141,41 @@ class TorchCudaEngine(Engine):
     def prefill_after(self, cached: list, new_ids: list[int]) -> tuple[np.ndarray, SlotState]:
         """A prompt whose first tokens' keys and values `cached` holds (a prefix cache's hit,
         `kv_of`'s parts: every layer's keys, then its values) into the next free slot, and
-        the rest prefilled after them through the prefill graphs (attending to the cached
-        columns too); the last position's logits (1, 1, vocab)."""
+        the rest prefilled after them; the last position's logits (1, 1, vocab)."""
+        return self.prefill_after_each([(cached, new_ids)])
+
+    def prefill_after_each(self, hits: list[tuple[list, list[int]]]) -> tuple[np.ndarray, SlotState]:
+        """Prefix cache hits, each `(cached, new_ids)`, into the next free slots: each one's
+        cached keys and values copied into its slot, and the rest of every prompt prefilled in
+        one pass of the prefill graphs, each row at its own positions (attending to its cached
+        columns too): one replay for a burst of hits, not one each."""
         import torch
 
-        runner, slot, tokens, new = self.runner, self._held, cached[0].shape[2], len(new_ids)
-        self._check_context((1, new))
-        if slot + 1 > runner.S:
-            raise ShapeOutOfProfile(f"{slot} sequences hold slots and 1 more does not fit the engine's {runner.S}")
-        if not new or tokens + new > runner.T:
-            raise ShapeOutOfProfile(f"{tokens} cached and {new} new tokens do not fit the engine's context of {runner.T}")
+        runner, first, rows = self.runner, self._held, len(hits)
+        longest = max(len(new_ids) for _, new_ids in hits)
+        self._check_context((rows, longest))
+        if first + rows > runner.S:
+            raise ShapeOutOfProfile(f"{first} sequences hold slots and {rows} more do not fit the engine's {runner.S}")
+        for cached, new_ids in hits:
+            if not new_ids or cached[0].shape[2] + len(new_ids) > runner.T:
+                raise ShapeOutOfProfile(f"{cached[0].shape[2]} cached and {len(new_ids)} new tokens do not fit the engine's context of {runner.T}")
         self.runner.drop_queued()
-        layers = len(cached) // 2
-        runner.k_cache[:, slot, :, :tokens] = torch.cat(cached[:layers])
-        runner.v_cache[:, slot, :, :tokens] = torch.cat(cached[layers:])
         # Right-aligned in a bucketed prompt width, as `_prefill_last` places prompts; the other
         # rows and the padding write to the scratch column.
-        width, prompt = runner._width(slot), min(-(-new // runner.prompt_bucket) * runner.prompt_bucket, runner.T)
+        width, prompt = runner._width(first + rows - 1), min(-(-longest // runner.prompt_bucket) * runner.prompt_bucket, runner.T)
         ids = torch.zeros(width, prompt, dtype=torch.long)
         positions = torch.full((width, prompt), runner.T, dtype=torch.long)
-        ids[slot, prompt - new :] = torch.tensor(new_ids)
-        positions[slot, prompt - new :] = torch.arange(tokens, tokens + new)
-        logits = self._prefill_graphs(ids, positions, rows=slice(slot, slot + 1), attended=runner._attn_len(tokens + new))
-        self._held = slot + 1
-        return logits[:, None].numpy(), SlotState(self, [slot], np.array([tokens + new], np.int64))
+        lengths = []
+        for slot, (cached, new_ids) in enumerate(hits, start=first):
+            tokens, layers, new = cached[0].shape[2], len(cached) // 2, len(new_ids)
+            runner.k_cache[:, slot, :, :tokens] = torch.cat(cached[:layers])
+            runner.v_cache[:, slot, :, :tokens] = torch.cat(cached[layers:])
+            ids[slot, prompt - new :] = torch.tensor(new_ids)
+            positions[slot, prompt - new :] = torch.arange(tokens, tokens + new)
+            lengths.append(tokens + new)
+        logits = self._prefill_graphs(ids, positions, rows=slice(first, first + rows), attended=runner._attn_len(max(lengths)))
+        self._held = first + rows
+        return logits[:, None].numpy(), SlotState(self, list(range(first, first + rows)), np.array(lengths, np.int64))
 
     def kv_of(self, state: SlotState, row: int, tokens: int) -> list:
         """The keys and values of a row's first `tokens` positions in its slot (views of the
