@@ -605,33 +605,46 @@ def _plot_latency(gate: GateResult, path: Path) -> None:
 def gate_engine_dir(engine_path: Path, reference_path: Path, eval_texts: list[str], params: GateParams, served_threads: int | None) -> GateReport:
     """Gate one engine directory against the PyTorch model directory it came from (in fp32
     where that fits: components.model_fit.reference_dtype), the model computed beside the
-    engine where both fit this machine, else first and freed before the engine loads; its
-    latency as served with `served_threads` (serving.threads)."""
+    engine where both fit this machine, else first and freed before the engine loads (on the
+    engine's GPU, always first: its cache takes the memory left); its latency as served with
+    `served_threads` (serving.threads)."""
     from components.model_dir import load_model
     from components.model_fit import reference_beside_engine, reference_dtype
-    from components.resources import machine_memory
     from components.runtime import load_engine
 
-    memory = machine_memory()
-    dtype = reference_dtype(reference_path, memory)
     engine_dir = load_engine_dir(engine_path)
+    device, memory = reference_place(engine_dir.manifest)
+    dtype = reference_dtype(reference_path, memory)
     windows = gate_windows(engine_path, eval_texts, params)
-    if reference_beside_engine(reference_path, dtype, engine_path, memory):
+    if device == "cpu" and reference_beside_engine(reference_path, dtype, engine_path, memory):
         with load_engine(engine_path) as engine:
             compared = compared_gates(engine, LiveReference(load_model(reference_path, dtype)), windows, params)
     else:
-        reference = recorded_reference(engine_dir, reference_path, dtype, windows, params)
+        reference = recorded_reference(engine_dir, reference_path, dtype, windows, params, device)
         with load_engine(engine_path) as engine:
             compared = compared_gates(engine, reference, windows, params)
     # Timed once the gating process has closed its engine: the served one is loaded again.
     return with_latency(compared, engine_dir, windows, params, served_threads)
 
 
-def recorded_reference(engine_dir: EngineDir, reference_path: Path, dtype: str, windows: GateWindows, params: GateParams) -> Reference:
-    """The model at `reference_path` computed in `dtype` on the windows and prompts the
-    quality and text gates of the engine in `engine_dir` will read, before it is loaded."""
+def reference_place(manifest) -> tuple[str, int]:
+    """Where the gates compute the PyTorch model, and the memory it may take there: the GPU a
+    torch-cuda engine was built for (its free memory: an 8B model's reference takes seconds
+    there, tens of minutes on the host's cores), else this machine's memory."""
+    from components.resources import machine_memory
+
+    if manifest.backend != "torch-cuda" or manifest.target == "cpu":
+        return "cpu", machine_memory()
+    import torch
+
+    return "cuda", torch.cuda.mem_get_info()[0]
+
+
+def recorded_reference(engine_dir: EngineDir, reference_path: Path, dtype: str, windows: GateWindows, params: GateParams, device: str = "cpu") -> Reference:
+    """The model at `reference_path` computed in `dtype` on `device`, on the windows and
+    prompts the quality and text gates of the engine in `engine_dir` will read, before it is loaded."""
     chunk = engine_dir.manifest.profiles["context"].batch.max
-    return record(reference_path, dtype, windows.quality, params.quality, windows.text[:, : params.text.prompt_tokens], params.text, chunk)
+    return record(reference_path, dtype, windows.quality, params.quality, windows.text[:, : params.text.prompt_tokens], params.text, chunk, device)
 
 
 def quality_gate_against(engine: Engine, reference_path: Path, eval_texts: list[str], params: QualityGateParams, confidence: float) -> GateResult:

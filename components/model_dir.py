@@ -127,20 +127,22 @@ def first_layers(layers: int | None) -> dict[str, int]:
     return {} if layers is None else {"num_hidden_layers": layers}
 
 
-def load_model(path: Path, dtype: str = "float32", layers: int | None = None):
+def load_model(path: Path, dtype: str = "float32", layers: int | None = None, device: str = "cpu"):
     """The PyTorch model of a model directory in fp32, in eval mode; TrainError if it cannot
     load. fp32 whatever the weights were saved in: transformers 5 loads a bf16 model (Llama 3,
     Qwen2.5) as bf16, which the export traces into a graph ONNX Runtime's CPU cannot run, and
     which the gates would compute at bf16's precision, not the model's weights' own. `dtype`
     another of MODEL_DTYPES where fp32 does not fit (components.model_fit.reference_dtype);
-    `layers`: the first ones alone (the export's parity check of a model too big for fp32)."""
+    `layers`: the first ones alone (the export's parity check of a model too big for fp32);
+    `device`: where its weights are loaded (a GPU engine's gates compute it on the card)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     check_model_directory(path)
     quiet_transformers()
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), **first_layers(layers)).eval()
+        placed = {} if device == "cpu" else {"device_map": device}
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), **first_layers(layers), **placed).eval()
     except Exception as err:  # safetensors, torch and transformers each raise their own types
         raise TrainError(f"cannot load model from {path}: {type(err).__name__}: {err}") from err
 

@@ -50,7 +50,8 @@ class LiveReference:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.description = f"PyTorch, {str(next(model.parameters()).dtype).removeprefix('torch.')}"
+        weight = next(model.parameters())
+        self.description = f"PyTorch, {str(weight.dtype).removeprefix('torch.')}" + ("" if weight.device.type == "cpu" else f" on {weight.device.type}")
 
     def scores(self, windows: np.ndarray) -> WindowScores:
         logits = model_logits(self.model, windows)
@@ -96,14 +97,17 @@ class RecordedReference:
         return [index[row.tobytes()] for row in asked]
 
 
-def record(model_path: Path, dtype: str, windows: np.ndarray, quality: QualityGateParams, prompts: np.ndarray, text: TextGateParams, chunk: int) -> RecordedReference:
+def record(
+    model_path: Path, dtype: str, windows: np.ndarray, quality: QualityGateParams, prompts: np.ndarray, text: TextGateParams, chunk: int, device: str = "cpu"
+) -> RecordedReference:
     """What the gates will ask of the model at `model_path` (computed in `dtype`), asked
     first: the quality windows in the quality gate's batches, the text prompts in chunks of
     the engine's `chunk` sequences, each as far as its gate's budget and time budget reach
-    (components.evidence.measure_ahead). The model is loaded here and freed before returning."""
+    (components.evidence.measure_ahead). The model is loaded here, on `device`, and freed
+    before returning."""
     from components.model_dir import load_model
 
-    live = LiveReference(load_model(model_path, dtype))
+    live = LiveReference(load_model(model_path, dtype, device=device))
     windows, prompts = windows[: quality.max_sequences], prompts[: text.max_sequences]
     with stage_progress("reference model: quality windows", total=len(windows)) as advance:
         scored = measure_ahead(lambda a, b: _scored_rows(live, windows[a:b], advance), quality.sequences, len(windows), quality.max_minutes)
@@ -113,6 +117,10 @@ def record(model_path: Path, dtype: str, windows: np.ndarray, quality: QualityGa
     del live
     gc.collect()
     release_freed_memory()
+    if device != "cpu":
+        import torch
+
+        torch.cuda.empty_cache()  # the card's memory back for the engine, which sizes its cache to what is free
     top1 = scored[:, :-1].astype(np.int64)
     return RecordedReference(description, windows[: len(scored)], top1, scored[:, -1], prompts[: len(written)], written.astype(np.int64))
 
@@ -138,8 +146,8 @@ def model_logits(model, batch: np.ndarray) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        ids = torch.from_numpy(batch)
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().numpy()
+        ids = torch.from_numpy(batch).to(next(model.parameters()).device)
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().cpu().numpy()
 
 
 def target_nll(logits: np.ndarray, batch: np.ndarray) -> np.ndarray:
@@ -159,7 +167,7 @@ def greedy_continuations(model, prompts: np.ndarray, new_tokens: int) -> list[li
 
     picked = []
     with torch.no_grad():
-        out = model(input_ids=torch.from_numpy(prompts), use_cache=True)
+        out = model(input_ids=torch.from_numpy(prompts).to(next(model.parameters()).device), use_cache=True)
         for _ in range(new_tokens):
             picked.append(out.logits[:, -1:].argmax(-1))
             out = model(input_ids=picked[-1], cache=out.past_key_values, use_cache=True)

@@ -1189,6 +1189,7 @@ def test_on_the_gpu_kiln_build_gates_registers_and_serves_a_bf16_models_bf16_and
         tags = version.tags
         assert (tags["backend"], tags["target"], tags["gates.passed"], tags["onnx_sha256"]) == ("torch-cuda", f"sm_{major}{minor}", "true", "none"), (precision, tags)
         assert float(tags["gates.quality.top1_agreement"]) >= limits[precision].min_top1_agreement
+        assert tags["gates.quality.reference"] == "PyTorch, float32 on cuda, computed before the engine was loaded", tags["gates.quality.reference"]
         source = VersionSource(target, version.version, root / "serving" / precision)  # pulled and its signature verified
         with LiveServer(create_app(source, ServerSettings(poll_interval_s=0, max_tokens=16, runtime=RuntimeOptions(max_waiting=4)))) as live:
             openai = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
