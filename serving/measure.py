@@ -26,7 +26,11 @@ def measure_scenario(
     """p50 / p95 of time to first token and per output token, p50 / p95 / p99 of whole
     requests, in ms: `clients` threads each sending `requests` requests back to back,
     taking prompts in turn from `prompts`, each answered with `new_tokens` tokens. The
-    engine is the scheduler's, as in the server: it is closed when this returns."""
+    engine is prepared and then the scheduler's, as in the server: it is closed when this
+    returns."""
+    # As kiln serve's warm-up: a torch-cuda engine otherwise captures its graphs during the
+    # first concurrent turns, which set the gate's TTFT p95 at 8-10 s on an H100.
+    engine.prepare_to_serve()
     scheduler = Scheduler(engine, tokenizer, max_waiting=clients)
     sampling = Sampling(max_new_tokens=new_tokens, stop_at_eos=False)
     timings: list[tuple[float, float, float]] = []  # (ttft, per output token, whole request) in ms
