@@ -16,6 +16,7 @@ tensors on the engine's device (torch-cuda's slots): the cache then lives beside
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -40,7 +41,7 @@ class PrefixCounts:
 @dataclass(frozen=True)
 class Hit:
     tokens: int  # the prompt's first `tokens` are cached
-    cache: list[np.ndarray]  # (1, kv heads, tokens, head dim) per past tensor, the hit's own copy
+    cache: list[np.ndarray]  # the parts of the engine's `kv_of`, tokens on axis 2: the hit's own copy
 
 
 @dataclass(eq=False)
@@ -48,7 +49,7 @@ class _Block:
     serial: int  # names it as a parent in its children's keys
     key: tuple[int, tuple[int, ...]]  # (the parent's serial, 0 for the first block; its tokens)
     parent: _Block | None
-    parts: list[np.ndarray]  # (1, kv heads, block, head dim) per past tensor
+    parts: list[np.ndarray]  # the parts of the engine's `kv_of`, `block` tokens each on axis 2
     children: int = 0
     nbytes: int = field(init=False)
 
@@ -79,13 +80,16 @@ class PrefixCache:
         self.totals.cached_tokens += tokens
         return Hit(tokens, [_joined([b.parts[i] for b in path]) for i in range(len(path[0].parts))])
 
-    def store(self, prompt: list[int], cache: list[np.ndarray]) -> None:
-        """Keep the cache of `prompt`'s whole blocks that are not held yet: `cache` holds one
-        row of the prompt's positions (an engine's `kv_of`)."""
+    def store(self, prompt: list[int], kv: Callable[[], list[np.ndarray]]) -> None:
+        """Keep the cache of `prompt`'s whole blocks that are not held yet: `kv` gives one row
+        of the prompt's positions (an engine's `kv_of`), called only where a block is new
+        (most stores of a busy server find every block held: on a GPU, its views cost more
+        host time than the step)."""
         whole = len(prompt) // self.block
         path = self._path(prompt, whole)
         self._touch(path)
         parent = path[-1] if path else None
+        cache = kv() if len(path) < whole else []
         for index in range(len(path), whole):
             at = index * self.block
             size = sum(part[:, :, at : at + self.block].nbytes for part in cache)

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -353,7 +354,7 @@ class Scheduler:
             return
         for index, (r, hit) in enumerate(hits.items()):
             r.seq.cached_tokens = hit.tokens
-            self.prefix_cache.store(r.seq.prompt, self.engine.kv_of(state, index, len(r.seq.prompt)))
+            self.prefix_cache.store(r.seq.prompt, partial(self.engine.kv_of, state, index, len(r.seq.prompt)))
         rows = self._place(admitted, state)
         self._live += len(admitted)
         self._advance(self.engine.pick(logits[:, -1], [r.draws for r in admitted]), rows)
@@ -371,7 +372,7 @@ class Scheduler:
             if r.seq.sampling.prompt_logprobs is not None:
                 r.seq.prompt_logprobs = _prompt_logprobs(logits[index], r.seq.prompt, r.seq.sampling.prompt_logprobs)
             if self.prefix_cache is not None:
-                self.prefix_cache.store(r.seq.prompt, self.engine.kv_of(state, index, len(r.seq.prompt)))
+                self.prefix_cache.store(r.seq.prompt, partial(self.engine.kv_of, state, index, len(r.seq.prompt)))
         rows = self._place(admitted, state)
         self._live += len(admitted)
         self._advance(self.engine.pick(logits[:, -1], [r.draws for r in admitted]), rows)
@@ -435,7 +436,7 @@ class Scheduler:
         (and a multi-step turn may have fed tokens past its end: those stay out)."""
         if self.prefix_cache is not None:
             tokens = r.seq.prompt + r.seq.generated[:-1]
-            self.prefix_cache.store(tokens, self.engine.kv_of(self._state, row, len(tokens)))
+            self.prefix_cache.store(tokens, partial(self.engine.kv_of, self._state, row, len(tokens)))
 
     def _accept(self, r: _Held, token: int, logprob: TokenLogprob | None, now: float, text: list[str]) -> str | None:
         """Add a token to the sequence, its text to `text`; the finish reason if it ends

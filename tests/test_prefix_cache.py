@@ -20,7 +20,7 @@ def row_cache(tokens: int, fill: float = 0.0) -> list[np.ndarray]:
 def test_a_hit_is_the_longest_cached_beginning_in_whole_blocks_leaving_a_token_to_prefill():
     cache = PrefixCache(1 << 20, block=4)
     prompt = list(range(100, 111))  # 11 tokens: blocks of 4 keep 8
-    cache.store(prompt, row_cache(11))
+    cache.store(prompt, lambda: row_cache(11))
     hit = cache.lookup(prompt + [7, 8])
     assert hit.tokens == 8 and hit.cache[0].shape == (1, 2, 8, 4) and hit.cache[0][0, 0, :, 0].tolist() == list(range(8))
     assert cache.lookup(prompt[:8]).tokens == 4  # the whole prompt cached: one token is left to prefill
@@ -30,18 +30,34 @@ def test_a_hit_is_the_longest_cached_beginning_in_whole_blocks_leaving_a_token_t
 
 def test_prompts_differing_in_the_last_token_of_a_block_never_share_it():
     cache = PrefixCache(1 << 20, block=4)
-    cache.store([1, 2, 3, 4, 5, 6, 7, 8, 9], row_cache(9))
+    cache.store([1, 2, 3, 4, 5, 6, 7, 8, 9], lambda: row_cache(9))
     assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 99, 9, 10]).tokens == 4
     assert cache.lookup([1, 2, 3, 99, 5, 6, 7, 8, 9]) is None
 
 
 def test_a_hit_is_its_own_copy_and_never_writes_into_what_the_cache_holds():
     cache = PrefixCache(1 << 20, block=4)
-    cache.store([5, 6, 7, 8, 9], row_cache(5))
+    cache.store([5, 6, 7, 8, 9], lambda: row_cache(5))
     first = cache.lookup([5, 6, 7, 8, 0])
     assert first.cache[0][0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
     first.cache[0][:] = -1.0
     assert cache.lookup([5, 6, 7, 8, 0]).cache[0][0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_prompt_whose_blocks_are_all_held_is_stored_without_reading_the_engines_cache():
+    """A busy server's stores mostly find every block held (the bench's prompts after their
+    first round, a conversation's earlier turns): the engine's views are not even made."""
+    cache, reads = PrefixCache(1 << 20, block=4), []
+
+    def kv(tokens: int):
+        return lambda: reads.append(tokens) or row_cache(tokens)
+
+    cache.store(list(range(9)), kv(9))
+    cache.store(list(range(8)), kv(8))  # its two blocks are held
+    cache.store(list(range(11)), kv(11))  # a partial block: nothing new either
+    assert reads == [9]
+    cache.store(list(range(12)), kv(12))
+    assert reads == [9, 12] and cache.read().blocks == 3
 
 
 def test_what_a_left_padded_row_gives_the_cache_is_its_own_positions(engine):
@@ -59,10 +75,10 @@ def test_what_a_left_padded_row_gives_the_cache_is_its_own_positions(engine):
 def test_the_least_recently_used_prompts_leave_when_the_budget_is_spent():
     size = sum(part.nbytes for part in row_cache(4))  # one block of one prompt
     cache = PrefixCache(2 * size, block=4)
-    cache.store([1, 1, 1, 1, 9], row_cache(5))
-    cache.store([2, 2, 2, 2, 9], row_cache(5))
+    cache.store([1, 1, 1, 1, 9], lambda: row_cache(5))
+    cache.store([2, 2, 2, 2, 9], lambda: row_cache(5))
     assert cache.lookup([1, 1, 1, 1, 0]) is not None  # 1 is now the more recently used
-    cache.store([3, 3, 3, 3, 9], row_cache(5))
+    cache.store([3, 3, 3, 3, 9], lambda: row_cache(5))
     assert cache.bytes <= 2 * size and cache.totals.evictions == 1
     assert cache.lookup([2, 2, 2, 2, 0]) is None and cache.lookup([1, 1, 1, 1, 0]) is not None
 
@@ -71,9 +87,9 @@ def test_a_conversations_turns_share_the_blocks_they_begin_with():
     """The next turn's prompt (this one's prompt and reply) adds only its new blocks."""
     cache = PrefixCache(1 << 20, block=4)
     block = sum(part.nbytes for part in row_cache(4))
-    cache.store(list(range(9)), row_cache(9))
+    cache.store(list(range(9)), lambda: row_cache(9))
     assert cache.bytes == 2 * block
-    cache.store(list(range(14)), row_cache(14))
+    cache.store(list(range(14)), lambda: row_cache(14))
     assert cache.bytes == 3 * block and cache.read().blocks == 3
     hit = cache.lookup(list(range(14)) + [99])
     assert hit.tokens == 12 and hit.cache[1][0, 1, :, 3].tolist() == list(range(12))
@@ -82,9 +98,9 @@ def test_a_conversations_turns_share_the_blocks_they_begin_with():
 def test_eviction_takes_the_ends_of_prompts_before_the_blocks_others_begin_with():
     block = sum(part.nbytes for part in row_cache(4))
     cache = PrefixCache(3 * block, block=4)
-    cache.store([1, 1, 1, 1, 2, 2, 2, 2, 9], row_cache(9))
-    cache.store([1, 1, 1, 1, 3, 3, 3, 3, 9], row_cache(9))  # shares the first block
-    cache.store([4, 4, 4, 4, 9], row_cache(5))  # room for it: the least recently used end goes
+    cache.store([1, 1, 1, 1, 2, 2, 2, 2, 9], lambda: row_cache(9))
+    cache.store([1, 1, 1, 1, 3, 3, 3, 3, 9], lambda: row_cache(9))  # shares the first block
+    cache.store([4, 4, 4, 4, 9], lambda: row_cache(5))  # room for it: the least recently used end goes
     assert cache.bytes == 3 * block and cache.totals.evictions == 1
     assert cache.lookup([1, 1, 1, 1, 2, 2, 2, 2, 0]).tokens == 4  # its end was dropped, not the shared beginning
     assert cache.lookup([1, 1, 1, 1, 3, 3, 3, 3, 0]).tokens == 8
@@ -93,7 +109,7 @@ def test_eviction_takes_the_ends_of_prompts_before_the_blocks_others_begin_with(
 
 def test_a_budget_too_small_for_a_block_holds_nothing_and_the_counts_are_read_once():
     cache = PrefixCache(10, block=4)
-    cache.store([1, 2, 3, 4, 5], row_cache(5))
+    cache.store([1, 2, 3, 4, 5], lambda: row_cache(5))
     assert cache.lookup([1, 2, 3, 4, 5, 6]) is None and cache.bytes == 0
     counts = cache.read()
     assert (counts.queries, counts.hits, counts.queried_tokens, counts.bytes, counts.blocks) == (1, 0, 6, 0, 0)

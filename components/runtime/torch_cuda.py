@@ -140,7 +140,7 @@ class TorchCudaEngine(Engine):
 
     def prefill_after(self, cached: list, new_ids: list[int]) -> tuple[np.ndarray, SlotState]:
         """A prompt whose first tokens' keys and values `cached` holds (a prefix cache's hit,
-        `kv_of`'s parts: every layer's keys, then its values) into the next free slot, and
+        `kv_of`'s parts: every layer's keys, then every layer's values) into the next free slot, and
         the rest prefilled after them; the last position's logits (1, 1, vocab)."""
         return self.prefill_after_each([(cached, new_ids)])
 
@@ -167,9 +167,10 @@ class TorchCudaEngine(Engine):
         positions = torch.full((width, prompt), runner.T, dtype=torch.long)
         lengths = []
         for slot, (cached, new_ids) in enumerate(hits, start=first):
-            tokens, layers, new = cached[0].shape[2], len(cached) // 2, len(new_ids)
-            runner.k_cache[:, slot, :, :tokens] = torch.cat(cached[:layers])
-            runner.v_cache[:, slot, :, :tokens] = torch.cat(cached[layers:])
+            (keys, values), new = cached, len(new_ids)
+            tokens = keys.shape[2]
+            runner.k_cache[:, slot, :, :tokens] = keys
+            runner.v_cache[:, slot, :, :tokens] = values
             ids[slot, prompt - new :] = torch.tensor(new_ids)
             positions[slot, prompt - new :] = torch.arange(tokens, tokens + new)
             lengths.append(tokens + new)
@@ -179,11 +180,11 @@ class TorchCudaEngine(Engine):
 
     def kv_of(self, state: SlotState, row: int, tokens: int) -> list:
         """The keys and values of a row's first `tokens` positions in its slot (views of the
-        device cache; a prefix cache copies what it keeps): every layer's keys, then its
-        values, each (1, kv heads, tokens, head dim)."""
+        device cache; a prefix cache copies what it keeps): every layer's keys, then every
+        layer's values, each (layers, kv heads, tokens, head dim). Two parts, not two per
+        layer: each part is a kernel launch wherever the prefix cache copies or joins it."""
         slot, runner = state.slots[row], self.runner
-        layers = range(runner.k_cache.shape[0])
-        return [runner.k_cache[layer, slot : slot + 1, :, :tokens] for layer in layers] + [runner.v_cache[layer, slot : slot + 1, :, :tokens] for layer in layers]
+        return [runner.k_cache[:, slot, :, :tokens], runner.v_cache[:, slot, :, :tokens]]
 
     def prefix_cache_budget(self, requested: int) -> int:
         """On a GPU, at most half the memory free once the engine has its slots: the prefix
