@@ -28,6 +28,7 @@ from components.resources import Usage, measured, release_freed_memory
 from benchmarks.footprint import CostLog, StageCost, serving_cost
 
 COST_LOG = "stage-costs.json"
+HF_ROW = "hf-eager-fp32"  # the baseline of the CPU bench's speed-up column
 
 # Each shape is its family's transformers config, with the family named.
 GPT2_SMALL = {"family": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024}
@@ -61,8 +62,8 @@ SHAPES = {
     "gpt2-small": GPT2_SMALL, "smollm2-135m": SMOLLM2_135M, "qwen2.5-0.5b": QWEN25_05B, "llama3.2-1b": LLAMA32_1B, "llama3.2-3b": LLAMA32_3B,
     "llama3.1-8b": LLAMA31_8B, "qwen2.5-7b": QWEN25_7B, "tiny": TINY,
 }  # fmt: skip
-# The dtype each shape's checkpoints are published in: the GPU bench builds its model so
-# (the CPU bench builds fp32, which the ONNX export reads anyway).
+# The dtype each shape's checkpoints are published in: both benches build their model so
+# (an 8B model in fp32 would take 32 GB to build; the ONNX export reads it in fp32 anyway).
 PUBLISHED_DTYPE = {name: "bfloat16" for name in ("qwen2.5-0.5b", "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "qwen2.5-7b")}
 # `--precisions` names beside the precisions: int8 in TensorRT's Q/DQ form, run by ONNX
 # Runtime, to time it against ONNX Runtime's own int8 (weight blocks) in one run.
@@ -76,7 +77,7 @@ class BenchRow:
     name: str
     median_ms: float
     ms_per_token: float
-    speedup_vs_hf: float
+    speedup_vs_hf: float | None  # None where the bench had no Hugging Face row (hf_left_out)
     runs_ms: tuple[float, ...]
 
 
@@ -91,9 +92,10 @@ class BenchSetup:
 
 
 def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0, widest: str = "fp32") -> Path:
-    """A model directory of `shape` with random weights (and non-zero biases, as a trained
-    model has) plus a small BPE tokenizer so it is a complete model directory; refused before
-    any work where its build, `widest` its widest engine, cannot fit this machine."""
+    """A model directory of `shape` with random weights in the dtype its checkpoints are
+    published in (and non-zero biases, as a trained model has) plus a small BPE tokenizer so
+    it is a complete model directory; refused before any work where its build, `widest` its
+    widest engine, cannot fit this machine."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -104,12 +106,24 @@ def benchmark_model_dir(directory: Path, shape: dict = GPT2_SMALL, seed: int = 0
         return directory
     torch.manual_seed(seed)
     family, config = shape["family"], {k: v for k, v in shape.items() if k != "family"}
+    dtype = PUBLISHED_DTYPE.get(shape_name(shape), "float32")
     with torch.device("meta"):  # counted before gigabytes are drawn: refused here, named, not killed midway
         parameters = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).num_parameters()
-    # Hugging Face's fp32 model is timed interleaved with the engines: both are held at once.
-    check_parameters_fit(parameters, machine_memory(), f"the {shape_name(shape)} bench model", widest, side_by_side=True)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config)).eval()
+    check_parameters_fit(parameters, machine_memory(), f"the {shape_name(shape)} bench model", widest, dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config), dtype=getattr(torch, dtype)).eval()
     return saved_with_tokenizer(model, directory)
+
+
+def hf_left_out(model_dir: Path, widest: str, memory: int) -> str | None:
+    """Why Hugging Face's fp32 model is not timed beside the engines, where the two do not
+    fit this machine at once (timed interleaved, both are held); None where they do."""
+    from components.model_fit import parameter_count, side_by_side_memory
+    from components.resources import GIB
+
+    needed = side_by_side_memory(parameter_count(model_dir), widest)
+    if needed <= memory:
+        return None
+    return f"{HF_ROW} left out: Hugging Face's fp32 model beside the {widest} engine needs about {needed / GIB:.1f} GiB, and this machine has {memory / GIB:.1f} GiB"
 
 
 def saved_with_tokenizer(model, directory: Path) -> Path:
@@ -197,22 +211,26 @@ def _timed_ms(candidate: Candidate) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def rows_from_samples(samples: dict[str, list[float]], new_tokens: int, baseline: str) -> list[BenchRow]:
-    base = statistics.median(samples[baseline])
+def rows_from_samples(samples: dict[str, list[float]], new_tokens: int, baseline: str | None) -> list[BenchRow]:
+    """Each candidate's median, with its speed-up over `baseline`'s (None: no baseline timed)."""
+    base = statistics.median(samples[baseline]) if baseline else None
     rows = []
     for name, runs in samples.items():
         median = statistics.median(runs)
-        rows.append(BenchRow(name, median, median / new_tokens, base / median, tuple(runs)))
+        rows.append(BenchRow(name, median, median / new_tokens, base / median if base else None, tuple(runs)))
     return rows
 
 
-def write_json(rows: list[BenchRow], setup: BenchSetup, path: Path, batches: list[int] | None = None, costs: list[StageCost] = ()) -> None:
-    """The rows (and the stages' `costs`) as JSON; `batches` gives each row's batch (default: all batch 1)."""
+def write_json(
+    rows: list[BenchRow], setup: BenchSetup, path: Path, batches: list[int] | None = None, costs: list[StageCost] = (), left_out: tuple[str, ...] = ()
+) -> None:
+    """The rows (and the stages' `costs`, and what was `left_out` and why) as JSON; `batches`
+    gives each row's batch (default: all batch 1)."""
     batches = batches or [1] * len(rows)
     payload = {
         "setup": asdict(setup) | ({"batch": 1} if set(batches) == {1} else {}),
         "rows": [{k: v for k, v in asdict(r).items() if k != "runs_ms"} | {"batch": b, "runs_ms": list(r.runs_ms)} for r, b in zip(rows, batches, strict=True)],
-    } | ({"stages": [asdict(c) for c in costs]} if costs else {})
+    } | ({"stages": [asdict(c) for c in costs]} if costs else {}) | ({"left_out": list(left_out)} if left_out else {})
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
@@ -236,10 +254,8 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
     from components.data import DataVersion
     from components.export import onnx_from_model
     from components.model_dir import model_from_directory
-    from components.model_fit import BYTES_PER_WEIGHT
 
-    widest = max((VARIANTS.get(p, (p,))[0] for p in precisions), key=BYTES_PER_WEIGHT.__getitem__)
-    model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed, widest))
+    model = model_from_directory(benchmark_model_dir(work / "model", shape, setup.seed, widest_precision(precisions)))
     costs = CostLog(work / COST_LOG)
     with costs.measure("export", work / "onnx"):
         # Random 124M weights give logits in the tens; fp32 reassociation differs by ~1e-4 there.
@@ -259,6 +275,13 @@ def benchmark_engines(work: Path, precisions: list[str], setup: BenchSetup, shap
             engine_cost(usages[1])
         costs.chain(engines[name], [onnx.path, graph])
     return model.path, engines
+
+
+def widest_precision(precisions: list[str]) -> str:
+    """The precision (of `--precisions`' names) whose engine takes the most memory."""
+    from components.model_fit import BYTES_PER_WEIGHT
+
+    return max((VARIANTS.get(p, (p,))[0] for p in precisions), key=BYTES_PER_WEIGHT.__getitem__)
 
 
 def _build_params(context: int | None):
@@ -301,30 +324,45 @@ def _in_own_process(fn: Callable, *args):
         return process.submit(fn, *args).result()
 
 
+@dataclass(frozen=True)
+class CpuBench:
+    """What `kiln bench` on the CPU measured, and what it left out and why."""
+
+    rows: list[BenchRow]
+    costs: list[StageCost]
+    left_out: tuple[str, ...] = ()
+
+
 def benchmark_rows(
     work: Path, precisions: list[str], setup: BenchSetup, shape: str = "gpt2-small", peer: Callable[[Path], dict[str, Candidate]] | None = None
-) -> tuple[list[BenchRow], list[StageCost]]:
-    """`kiln bench`: build (or reuse) the engines, time HF and each engine interleaved;
-    `peer` gives more candidates from the model directory (`kiln bench --peer`). Also what
-    each stage cost, and each engine process as `kiln serve` runs it (before the timing, so
-    that nothing else is held)."""
+) -> CpuBench:
+    """`kiln bench`: build (or reuse) the engines, time HF (where it fits beside them) and
+    each engine interleaved; `peer` gives more candidates from the model directory (`kiln
+    bench --peer`). Also what each stage cost, and each engine process as `kiln serve` runs
+    it (before the timing, so that nothing else is held)."""
+    from components.resources import machine_memory
+
     model_dir, engines = benchmark_engines(work / shape, precisions, setup, SHAPES[shape])
     prompt = random_prompts(1, setup.prompt_tokens, SHAPES[shape]["vocab_size"], setup.seed)[0]
     costs = stage_costs(work / shape, engines, setup, prompt)
     bandwidth = memory_bandwidth()  # before the timing: once, on a machine nothing of the bench yet loads
-    candidates: dict[str, Candidate] = {"hf-eager-fp32": hf_generate_fn(model_dir, prompt, setup.new_tokens)}
+    left_out = hf_left_out(model_dir, widest_precision(precisions), machine_memory())
+    candidates: dict[str, Candidate] = {} if left_out else {HF_ROW: hf_generate_fn(model_dir, prompt, setup.new_tokens)}
     candidates |= {f"kiln-ort-{p}": engine_generate_fn(path, prompt, setup.new_tokens) for p, path in engines.items()}
     candidates |= peer(model_dir) if peer else {}
-    rows = rows_from_samples(time_interleaved(candidates, setup), setup.new_tokens, baseline="hf-eager-fp32")
-    return rows + [onnx_floor_row(rows, p, path, bandwidth, setup) for p, path in engines.items()], costs
+    rows = rows_from_samples(time_interleaved(candidates, setup), setup.new_tokens, baseline=None if left_out else HF_ROW)
+    floors = [onnx_floor_row(rows, p, path, bandwidth, setup) for p, path in engines.items()]
+    return CpuBench(rows + floors, costs, (left_out,) if left_out else ())
 
 
 def read_floor_row(rows: list[BenchRow], baseline: str, precision: str, kiln: str, floor: ReadFloor, setup: BenchSetup) -> BenchRow:
     """The generation's floor (`setup.new_tokens` steps, a row computed, not timed), named with
-    the `kiln` row's ratio to it."""
+    the `kiln` row's ratio to it (and its speed-up over `baseline`'s, where that was timed)."""
     floor_ms = floor.ms(setup.new_tokens)
-    ours, peer = (next(row for row in rows if row.name == name) for name in (kiln, baseline))
-    return BenchRow(f"{precision} floor: {floor.text()}, kiln {ours.median_ms / floor_ms:.2f}x", floor_ms, floor_ms / setup.new_tokens, peer.median_ms / floor_ms, ())
+    by_name = {row.name: row for row in rows}
+    peer = by_name.get(baseline)
+    speedup = peer.median_ms / floor_ms if peer else None
+    return BenchRow(f"{precision} floor: {floor.text()}, kiln {by_name[kiln].median_ms / floor_ms:.2f}x", floor_ms, floor_ms / setup.new_tokens, speedup, ())
 
 
 def onnx_floor_row(rows: list[BenchRow], precision: str, engine_path: Path, bandwidth: float, setup: BenchSetup) -> BenchRow:
@@ -333,4 +371,4 @@ def onnx_floor_row(rows: list[BenchRow], precision: str, engine_path: Path, band
 
     engine = load_engine_dir(engine_path)
     step = onnx_read_bytes(engine.engine_file) + engine.manifest.kv_bytes_per_token * (setup.prompt_tokens + setup.new_tokens / 2)
-    return read_floor_row(rows, "hf-eager-fp32", precision, f"kiln-ort-{precision}", ReadFloor(step, bandwidth), setup)
+    return read_floor_row(rows, HF_ROW, precision, f"kiln-ort-{precision}", ReadFloor(step, bandwidth), setup)

@@ -25,6 +25,7 @@ from components.errors import BackendUnavailable, KilnError
 ENV = "KILN_LLAMA_CPP"
 # The GGML type beside each kiln precision: the same bits per weight, blockwise scales.
 GGML_TYPES = {"fp32": "F32", "fp16": "F16", "int8": "Q8_0", "int4": "Q4_0"}
+SOURCE_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # a checkpoint's dtype as GGML names it
 BUILD_HINT = (
     "build llama.cpp (cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && "
     f"cmake --build build -j2 --target llama-bench llama-quantize) and pass --llama-cpp DIR or set {ENV}=DIR"
@@ -89,14 +90,38 @@ def _find(name: str, folders: list[Path], path: str | None) -> Path | None:
 
 
 def gguf_model(tools: LlamaCpp, model_dir: Path, ggml_type: str, cache: Path) -> Path:
-    """`model_dir` as a GGUF file of `ggml_type`, cached under `cache` by the model's sha256."""
+    """`model_dir` as a GGUF file of `ggml_type`, cached under `cache` by the model's sha256:
+    converted in the dtype its weights were saved in, then quantized to `ggml_type`."""
+    folder, source = _gguf_folder(model_dir, cache), source_type(model_dir)
+    target = folder / f"{ggml_type}.gguf"
+    if target.is_file():
+        return target
+    base = _cached(folder / f"{source}.gguf", lambda out: convert(tools, model_dir, source.lower(), out))
+    return base if ggml_type == source else _cached(target, lambda out: quantize(tools, base, ggml_type, out))
+
+
+def gguf_models(tools: LlamaCpp, model_dir: Path, ggml_types: list[str], cache: Path) -> dict[str, Path]:
+    """`gguf_model` of each type; the conversion they were quantized from is deleted where
+    none of them is it (an 8B model's is 16 GB of disk the bench would not read)."""
+    models = {t: gguf_model(tools, model_dir, t, cache) for t in ggml_types}
+    source = _gguf_folder(model_dir, cache) / f"{source_type(model_dir)}.gguf"
+    if source not in models.values():
+        source.unlink(missing_ok=True)
+    return models
+
+
+def source_type(model_dir: Path) -> str:
+    """The GGML type of the model's weights as saved: converted so, each quantized type
+    starts from the same numbers as kiln's export (which reads them in fp32, exactly)."""
+    from components.model_dir import stored_dtype
+
+    return SOURCE_TYPES[stored_dtype(model_dir)]
+
+
+def _gguf_folder(model_dir: Path, cache: Path) -> Path:
     from components.files import directory_sha256
 
-    folder = cache / directory_sha256(model_dir)[:16]
-    base = _cached(folder / "F32.gguf", lambda out: convert(tools, model_dir, out))
-    if ggml_type == "F32":
-        return base
-    return _cached(folder / f"{ggml_type}.gguf", lambda out: quantize(tools, base, ggml_type, out))
+    return cache / directory_sha256(model_dir)[:16]
 
 
 def _cached(target: Path, make: Callable[[Path], None]) -> Path:
@@ -109,10 +134,10 @@ def _cached(target: Path, make: Callable[[Path], None]) -> Path:
     return target
 
 
-def convert(tools: LlamaCpp, model_dir: Path, out: Path) -> None:
-    """f32, the weights as they are: each quantized type starts from the same numbers as kiln."""
+def convert(tools: LlamaCpp, model_dir: Path, outtype: str, out: Path) -> None:
+    """The converter's GGUF of `model_dir` with its weights in `outtype` (f32, bf16, f16)."""
     command = [sys.executable, "-m", "benchmarks.llama_cpp_peer", "convert", str(tools.converter), str(model_dir)]
-    _check([*command, "--outtype", "f32", "--outfile", str(out)], "convert_hf_to_gguf.py")
+    _check([*command, "--outtype", outtype, "--outfile", str(out)], "convert_hf_to_gguf.py")
 
 
 def quantize(tools: LlamaCpp, base: Path, ggml_type: str, out: Path) -> None:
@@ -164,8 +189,8 @@ class LlamaCppPeer:
     runs: dict[str, list[LlamaBenchRun]] = field(default_factory=dict)
 
     def candidates(self, model_dir: Path) -> dict[str, SelfTimed]:
-        types = {GGML_TYPES[p] for p in self.precisions if p in GGML_TYPES}
-        return {peer_name(t): self._runner(t, gguf_model(self.tools, model_dir, t, self.cache)) for t in sorted(types)}
+        types = sorted({GGML_TYPES[p] for p in self.precisions if p in GGML_TYPES})
+        return {peer_name(t): self._runner(t, model) for t, model in gguf_models(self.tools, model_dir, types, self.cache).items()}
 
     def _runner(self, ggml_type: str, model: Path) -> SelfTimed:
         runs = self.runs.setdefault(ggml_type, [])

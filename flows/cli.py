@@ -425,13 +425,13 @@ def bench(
     engines = _bench_precisions(precisions or "fp32,int8,int4")
     peer_bench = _bench_peer(peer, llama_cpp, engines, setup, work / shape / "gguf")
     with _one_line_errors():
-        rows, costs = bm.benchmark_rows(work, engines, setup, shape, peer_bench.candidates if peer_bench else None)
-    render.bench_rows(rows, setup, shape)
-    render.stage_costs(costs, shape)
+        measured = bm.benchmark_rows(work, engines, setup, shape, peer_bench.candidates if peer_bench else None)
+    render.bench_rows(measured.rows, setup, shape, left_out=measured.left_out)
+    render.stage_costs(measured.costs, shape)
     if peer_bench is not None:
-        render.peer_rows(peer_bench.rows(rows), setup, shape)
+        render.peer_rows(peer_bench.rows(measured.rows), setup, shape)
     if json_path is not None:
-        bm.write_json(rows, setup, json_path, costs=costs)
+        bm.write_json(measured.rows, setup, json_path, costs=measured.costs, left_out=measured.left_out)
         render.console.print(f"rows written to {json_path}")
 
 

@@ -99,13 +99,15 @@ def pipeline_result(result) -> None:
         console.print(f"  {result.sample!r}", highlight=False)
 
 
-def bench_rows(rows, setup, shape: str, batch: int = 1) -> None:
-    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch {batch}, {shape} shape")
+def bench_rows(rows, setup, shape: str, batch: int = 1, left_out: tuple[str, ...] = ()) -> None:
+    """The rows, each with its speed-up over Hugging Face's ("—" where HF was `left_out`, the reasons in the caption)."""
+    table = Table(title=f"generate {setup.new_tokens} tokens after {setup.prompt_tokens}, batch {batch}, {shape} shape", caption="; ".join(left_out) or None)
     for column in ("name", "median ms", "ms / token", "tokens / s", "speed-up vs HF"):
         table.add_column(column, justify="left" if column == "name" else "right")
     for row in rows:
         tokens_per_s = batch * setup.new_tokens / (row.median_ms / 1000)
-        table.add_row(row.name, f"{row.median_ms:.1f}", f"{row.ms_per_token:.3f}", f"{tokens_per_s:,.0f}", f"{row.speedup_vs_hf:.2f}×")
+        speedup = "—" if row.speedup_vs_hf is None else f"{row.speedup_vs_hf:.2f}×"
+        table.add_row(row.name, f"{row.median_ms:.1f}", f"{row.ms_per_token:.3f}", f"{tokens_per_s:,.0f}", speedup)
     console.print(table)
 
 

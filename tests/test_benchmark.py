@@ -29,6 +29,30 @@ def test_the_json_holds_the_setup_and_every_run(tmp_path):
     assert "batch" not in saved["setup"] and [row["batch"] for row in saved["rows"]] == [1, 16]
 
 
+def test_hugging_faces_model_is_left_out_naming_both_sizes_where_it_does_not_fit_beside_the_engines(tmp_path, monkeypatch):
+    """An 8B model's fp32 PyTorch model (32 GB) does not fit beside its engine on 24 GB: the
+    bench times the engines (and llama.cpp) without it and says why, where it used to refuse
+    the whole bench; the model it builds is saved as its shape is published (bf16 at 8B)."""
+    from components.model_dir import stored_dtype
+    from components.model_fit import parameter_count, side_by_side_memory
+
+    monkeypatch.setitem(bm.PUBLISHED_DTYPE, "tiny", "bfloat16")
+    model_dir = bm.benchmark_model_dir(tmp_path / "model", TINY)
+    assert stored_dtype(model_dir) == "bfloat16"
+    needed = side_by_side_memory(parameter_count(model_dir), "int4")
+    assert bm.hf_left_out(model_dir, "int4", needed) is None
+    reason = bm.hf_left_out(model_dir, "int4", needed - 1)
+    assert reason.startswith("hf-eager-fp32 left out: Hugging Face's fp32 model beside the int4 engine needs about 2.0 GiB, and this machine has 2.0 GiB")
+
+    monkeypatch.setattr(bm, "hf_left_out", lambda *args: reason)
+    measured = bm.benchmark_rows(tmp_path / "work", ["int4"], bm.BenchSetup(runs=1, warmup=0, new_tokens=4, calibration_prompts=2), "tiny")
+    assert measured.left_out == (reason,)
+    assert [row.name for row in measured.rows][0] == "kiln-ort-int4" and all(row.speedup_vs_hf is None for row in measured.rows)
+    bm.write_json(measured.rows, bm.BenchSetup(), tmp_path / "bench.json", left_out=measured.left_out)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["left_out"] == [reason] and {row["speedup_vs_hf"] for row in saved["rows"]} == {None}
+
+
 def test_the_benchmark_engines_are_what_the_pipeline_builds(tmp_path):
     from components.engine_dir import load_engine_dir
 

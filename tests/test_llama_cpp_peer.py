@@ -115,6 +115,31 @@ def test_each_kiln_precision_is_paired_with_its_ggml_type():
     assert (row.kiln_over_peer, row.peer_prefill_ms, row.peer_decode_ms_per_token) == (2.0, 20.0, 3.0)
 
 
+def test_the_gguf_is_converted_in_the_checkpoints_dtype_and_that_copy_dropped_once_no_row_reads_it(tmp_path, monkeypatch):
+    """An 8B bf16 checkpoint converted in f32 took 32 GB of disk, and kept after quantizing
+    another 16: converted as saved (bf16), quantized, and the conversion deleted where no row
+    times it; each type already made is reused without converting again."""
+    made = []
+
+    def write(kind: str, out: Path, *what) -> None:
+        made.append((kind, *what))
+        out.write_bytes(b"GGUF")
+
+    monkeypatch.setattr(peer, "convert", lambda tools, model_dir, outtype, out: write("convert", out, outtype))
+    monkeypatch.setattr(peer, "quantize", lambda tools, base, ggml_type, out: write("quantize", out, base.name, ggml_type))
+    model_dir = tmp_path / "model"
+    _touch(model_dir / "model.safetensors")
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    tools, cache = peer.LlamaCpp(Path("b"), Path("q"), Path("c")), tmp_path / "gguf"
+
+    models = peer.gguf_models(tools, model_dir, ["Q4_0", "Q8_0"], cache)
+    assert made == [("convert", "bf16"), ("quantize", "BF16.gguf", "Q4_0"), ("quantize", "BF16.gguf", "Q8_0")]
+    assert sorted(p.name for p in models["Q4_0"].parent.iterdir()) == ["Q4_0.gguf", "Q8_0.gguf"]  # the bf16 conversion is gone
+    assert peer.gguf_models(tools, model_dir, ["Q4_0"], cache) == {"Q4_0": models["Q4_0"]} and len(made) == 3  # cached
+    assert peer.gguf_models(tools, model_dir, ["BF16", "F32"], cache).keys() == {"BF16", "F32"}  # a timed conversion is kept
+    assert made[3:] == [("convert", "bf16"), ("quantize", "BF16.gguf", "F32")] and (models["Q4_0"].parent / "BF16.gguf").is_file()
+
+
 @pytest.mark.parametrize("shape", [bm.TINY, TINY_LLAMA], ids=["gpt2", "llama"])
 def test_a_tiny_model_converts_quantizes_and_runs_in_llama_bench(tmp_path, shape):
     tools = _llama_cpp_or_skip()
