@@ -187,9 +187,15 @@ def promoted_engine(root: Path, params: Params) -> tuple[str, Path]:
 
 
 def write_json(rows: list[ServingRow], setup: ServingBenchSetup, path: Path, rounds: list[ServingRow]) -> None:
+    """The rows and each round's as JSON; a measure a row has not (the engine's `generate`
+    streams no first token) is null, not NaN, which strict JSON parsers reject."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"setup": asdict(setup), "rows": [asdict(r) for r in rows], "rounds": [asdict(r) for r in rounds]}
-    path.write_text(json.dumps(report, indent=2))
+    report = {"setup": asdict(setup), "rows": [_json_row(r) for r in rows], "rounds": [_json_row(r) for r in rounds]}
+    path.write_text(json.dumps(report, indent=2, allow_nan=False))
+
+
+def _json_row(row: ServingRow) -> dict:
+    return {name: None if isinstance(value, float) and value != value else value for name, value in asdict(row).items()}
 
 
 class _Server:
