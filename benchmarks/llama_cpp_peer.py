@@ -92,22 +92,27 @@ def _find(name: str, folders: list[Path], path: str | None) -> Path | None:
 def gguf_model(tools: LlamaCpp, model_dir: Path, ggml_type: str, cache: Path) -> Path:
     """`model_dir` as a GGUF file of `ggml_type`, cached under `cache` by the model's sha256:
     converted in the dtype its weights were saved in, then quantized to `ggml_type`."""
+    return _gguf_in(tools, model_dir, ggml_type, _gguf_folder(model_dir, cache), source_type(model_dir))
+
+
+def gguf_models(tools: LlamaCpp, model_dir: Path, ggml_types: list[str], cache: Path) -> dict[str, Path]:
+    """`gguf_model` of each type; the conversion they were quantized from is deleted where
+    none of them is it (an 8B model's is 16 GB of disk the bench would not read). The model
+    is hashed once for all of them: at 8B that is 16 GB read."""
     folder, source = _gguf_folder(model_dir, cache), source_type(model_dir)
+    models = {t: _gguf_in(tools, model_dir, t, folder, source) for t in ggml_types}
+    if folder / f"{source}.gguf" not in models.values():
+        (folder / f"{source}.gguf").unlink(missing_ok=True)
+    return models
+
+
+def _gguf_in(tools: LlamaCpp, model_dir: Path, ggml_type: str, folder: Path, source: str) -> Path:
+    """`ggml_type`'s GGUF in `folder`, made from the conversion of type `source` unless present."""
     target = folder / f"{ggml_type}.gguf"
     if target.is_file():
         return target
     base = _cached(folder / f"{source}.gguf", lambda out: convert(tools, model_dir, source.lower(), out))
     return base if ggml_type == source else _cached(target, lambda out: quantize(tools, base, ggml_type, out))
-
-
-def gguf_models(tools: LlamaCpp, model_dir: Path, ggml_types: list[str], cache: Path) -> dict[str, Path]:
-    """`gguf_model` of each type; the conversion they were quantized from is deleted where
-    none of them is it (an 8B model's is 16 GB of disk the bench would not read)."""
-    models = {t: gguf_model(tools, model_dir, t, cache) for t in ggml_types}
-    source = _gguf_folder(model_dir, cache) / f"{source_type(model_dir)}.gguf"
-    if source not in models.values():
-        source.unlink(missing_ok=True)
-    return models
 
 
 def source_type(model_dir: Path) -> str:
